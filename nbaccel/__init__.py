@@ -1,0 +1,46 @@
+"""nbaccel: launch distributed PyTorch training from a Jupyter cell.
+
+Importing nbaccel never imports torch: the kernel stays free of CUDA and torch state, and
+only the worker processes load torch.
+
+>>> import nbaccel, sys
+>>> "torch" in sys.modules and sys.modules.get("nbaccel.launch.worker") is not None
+False
+"""
+
+from nbaccel.config import Config
+from nbaccel.context import ProcessContext, active_session
+from nbaccel.errors import (
+    CollectiveTimeout,
+    ConfigError,
+    HelperError,
+    RemoteTraceback,
+    RunCancelled,
+    SerializationError,
+    WorkerError,
+)
+from nbaccel.events import RunState
+from nbaccel.launch.launcher import launch, notebook_launcher
+from nbaccel.launch.run import Run
+from nbaccel.metrics import log_metrics
+from nbaccel.resolve import resolve
+
+__all__ = [
+    "CollectiveTimeout",
+    "Config",
+    "ConfigError",
+    "HelperError",
+    "ProcessContext",
+    "RemoteTraceback",
+    "Run",
+    "RunCancelled",
+    "RunState",
+    "SerializationError",
+    "WorkerError",
+    "active_session",
+    "launch",
+    "log_metrics",
+    "notebook_launcher",
+    "resolve",
+]
+__version__ = "0.1.0"

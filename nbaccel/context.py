@@ -1,0 +1,80 @@
+"""Who a worker is (rank, world size, ...) and what it was launched with.
+
+The launcher builds a ``ProcessContext`` per rank and sends it, with the resolved Config,
+inside the payload. In the worker, ``active_session()`` returns them together with the
+event writer; outside a launched worker it returns None. That one slot is set once per
+worker process by the worker's bootstrap and never in the parent. Plain data, stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nbaccel.config import Config
+from nbaccel.events import EventWriter
+
+
+@dataclass(frozen=True)
+class ProcessContext:
+    """The distributed identity of one worker.
+
+    >>> ctx = ProcessContext(rank=1, local_rank=1, world_size=2, local_world_size=2,
+    ...                      node_rank=0, master_addr="127.0.0.1", master_port=29512,
+    ...                      run_id="r1")
+    >>> ctx.torch_env()["RANK"], ctx.is_main_process
+    ('1', False)
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    run_id: str
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    def torch_env(self) -> dict[str, str]:
+        """The torch.distributed environment variables (what torchrun sets) for this rank."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "NODE_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+@dataclass
+class WorkerSession:
+    """Everything a running worker knows about its launch."""
+
+    context: ProcessContext
+    config: Config
+    events: EventWriter
+    metric_steps: int = 0
+
+
+_active: WorkerSession | None = None
+
+
+def activate(session: WorkerSession) -> None:
+    """Called once by the worker bootstrap, before the user's function runs."""
+    global _active
+    _active = session
+
+
+def active_session() -> WorkerSession | None:
+    """The launch this process belongs to, or None outside an nbaccel worker.
+
+    >>> active_session() is None
+    True
+    """
+    return _active

@@ -1,0 +1,108 @@
+"""Exceptions that nbaccel raises in the parent (the notebook kernel or a script).
+
+Every message says what happened, why, and what to do about it. Plain data, stdlib only.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; raised before any process starts.
+
+    >>> raise ConfigError("num_processes must be >= 1, got 0")
+    Traceback (most recent call last):
+    ...
+    nbaccel.errors.ConfigError: num_processes must be >= 1, got 0
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class SerializationError(ValueError):
+    """The function, its closure or its arguments cannot be sent to the workers."""
+
+
+class HelperError(RuntimeError):
+    """The helper process that starts workers could not start or died."""
+
+
+class RunCancelled(RuntimeError):
+    """The run was stopped before it finished, so it has no result."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; chained as ``__cause__`` of the raised error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+class WorkerError(RuntimeError):
+    """A worker failed and its own exception could not be re-raised in the parent.
+
+    Attributes name the failing rank and, for a process that died, its exit code or signal.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        exitcode: int | None = None,
+        signal_name: str | None = None,
+        exc_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+        self.exc_type = exc_type
+
+
+class CollectiveTimeout(WorkerError):
+    """Ranks waited in a collective longer than ``collective_timeout`` seconds."""
+
+    def __init__(self, message: str, *, rank: int, stuck_ranks: tuple[int, ...]) -> None:
+        super().__init__(message, rank=rank)
+        self.stuck_ranks = stuck_ranks
+
+
+def describe_exit(rank: int, status: int) -> WorkerError:
+    """Turn a raw exit code (negative = killed by that signal) into an explained error.
+
+    >>> str(describe_exit(1, -9)).splitlines()[0]
+    'rank 1 was killed by SIGKILL (signal 9).'
+    >>> describe_exit(0, 3).exitcode
+    3
+    """
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        message = f"rank {rank} was killed by {name} (signal {-status})."
+        if name == "SIGKILL":
+            message += (
+                "\nNothing in the worker could report it: this is most often the kernel's "
+                "out-of-memory killer. Check `dmesg`, and lower the batch size, the model size "
+                "or num_processes."
+            )
+        elif name == "SIGSEGV":
+            message += (
+                "\nThe process crashed in native code; the Python stack at the crash is at the "
+                f"end of run.logs({rank})."
+            )
+        return WorkerError(message, rank=rank, signal_name=name)
+    message = (
+        f"rank {rank} exited with code {status} without reporting a result or an exception "
+        f"(os._exit or a crash in native code); see run.logs({rank})."
+    )
+    return WorkerError(message, rank=rank, exitcode=status)

@@ -1,0 +1,134 @@
+"""The event stream from workers to the parent, and the events that subscribers receive.
+
+Workers write length-prefixed pickled dicts of plain values to a pipe that only their
+parent holds (inherited, never a listening socket: nothing else can connect or inject).
+The parent turns them, and the workers' captured output, into the frozen events below,
+which the text printer, the dashboard and ``Run`` consume. Plain data, stdlib only.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import pickle
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_HEADER = struct.Struct("<I")
+
+
+class RunState(enum.Enum):
+    """Lifecycle of a run: PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def done(self) -> bool:
+        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    run_id: str
+    world_size: int
+    run_dir: str
+    time: float
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of a rank's output.
+
+    ``replace``: it overwrites the rank's previous line (a ``\\r`` redraw, e.g. tqdm).
+    ``partial``: it ended with ``\\r``, so the next line of this rank may overwrite it.
+    """
+
+    rank: int
+    text: str
+    replace: bool
+    partial: bool
+    time: float
+
+
+@dataclass(frozen=True)
+class Metric:
+    rank: int
+    step: int
+    values: Mapping[str, float]
+    time: float
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """A worker process ended: exit code, or minus the signal number that killed it."""
+
+    rank: int
+    exitcode: int
+    time: float
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    state: RunState
+    error: BaseException | None
+    elapsed: float
+    time: float
+
+
+Event = RunStarted | LogLine | Metric | RankExited | RunEnded
+
+
+def encode_frame(message: Mapping[str, Any]) -> bytes:
+    """Serialise one message for the event pipe.
+
+    >>> decoder = FrameDecoder()
+    >>> decoder.feed(encode_frame({"kind": "metric", "step": 1}))
+    [{'kind': 'metric', 'step': 1}]
+    """
+    body = pickle.dumps(dict(message), protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Reassembles messages from pipe reads of any size."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buffer)
+            end = _HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            messages.append(pickle.loads(bytes(self._buffer[_HEADER.size : end])))
+            del self._buffer[:end]
+        return messages
+
+
+class EventWriter:
+    """The worker's end of the event pipe; safe to call from several threads."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+
+    def send(self, message: Mapping[str, Any]) -> None:
+        data = memoryview(encode_frame(message))
+        with self._lock:
+            while data:
+                written = os.write(self._fd, data)
+                data = data[written:]
+
+    def close(self) -> None:
+        with self._lock:
+            os.close(self._fd)

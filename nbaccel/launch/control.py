@@ -1,0 +1,52 @@
+"""Messages between the parent and the helper process, with file descriptors attached.
+
+A ``SOCK_SEQPACKET`` socketpair keeps message boundaries, and ``SCM_RIGHTS`` carries the
+pipes and the pre-bound port of each worker. The pair is private to the two processes:
+no path or port that another user could connect to. Stdlib only (the helper runs it too).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from typing import Any
+
+MAX_MESSAGE = 1 << 20
+MAX_FDS = 8
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Return (parent end, helper end); both close on exec unless passed on purpose."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(
+            f"control message of {len(data)} bytes exceeds {MAX_MESSAGE}; the environment "
+            "passed to workers is unusually large"
+        )
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """Next message and its fds; (None, []) when the other side has closed."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+    if not data:
+        for fd in fds:
+            _close_quietly(fd)
+        return None, []
+    message: dict[str, Any] = pickle.loads(data)
+    return message, fds
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

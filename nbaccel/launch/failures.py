@@ -1,0 +1,117 @@
+"""Decide which rank really failed, and build the exception the parent raises for it.
+
+When one rank fails, its peers fail too, a little later ("Connection closed by peer",
+collective timeouts). Blaming the first report received is wrong surprisingly often, so a
+failure is classified by cause and the rank that failed on its own wins. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
+
+# Lower sorts first: a rank's own error or death beats a failure caused by a peer.
+_PRIORITY = {"error": 0, "exit": 0, "timeout": 1, "peer": 2}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure: ``cause`` is 'error', 'exit', 'timeout' or 'peer'."""
+
+    rank: int
+    cause: str
+    time: float
+    report: Mapping[str, Any] | None = None  # the worker's error event, if it sent one
+    exitcode: int | None = None
+    error: BaseException | None = None  # a launcher-side failure (the helper died)
+
+
+def choose_culprit(failures: Sequence[Failure]) -> Failure:
+    """The failure to report: own errors before collateral ones, then the earliest.
+
+    >>> peer = Failure(rank=0, cause="peer", time=1.0)
+    >>> killed = Failure(rank=1, cause="exit", time=2.0, exitcode=-9)
+    >>> choose_culprit([peer, killed]).rank
+    1
+    """
+    return min(failures, key=lambda f: (_PRIORITY[f.cause], f.time, f.rank))
+
+
+def build_error(
+    failure: Failure,
+    *,
+    world_size: int,
+    collective_timeout: float,
+    stuck_ranks: Sequence[int] = (),
+    stuck_logs: Mapping[int, str] | None = None,
+) -> BaseException:
+    """The exception the parent raises, with the worker traceback chained as ``__cause__``."""
+    if failure.error is not None:
+        return failure.error
+    report = failure.report
+    if report is None:
+        return describe_exit(failure.rank, failure.exitcode if failure.exitcode is not None else 1)
+    remote = RemoteTraceback(f"Traceback from rank {failure.rank}:\n{report['traceback']}")
+    if failure.cause == "timeout":
+        error: BaseException = _timeout_error(
+            failure, collective_timeout, stuck_ranks, stuck_logs or {}
+        )
+    else:
+        error = _original_exception(report) or WorkerError(
+            f"rank {failure.rank} raised {report['type']}: {report['message']}",
+            rank=failure.rank,
+            exc_type=report["type"],
+        )
+        _name_rank(error, failure.rank, world_size)
+    error.__cause__ = remote
+    return error
+
+
+def _timeout_error(
+    failure: Failure, timeout: float, stuck: Sequence[int], logs: Mapping[int, str]
+) -> CollectiveTimeout:
+    if stuck:
+        who = f"rank(s) {', '.join(map(str, stuck))} never joined it"
+        where = "".join(f"\n--- rank {r}, last output (stack dump) ---\n{logs.get(r, '')}" for r in stuck)
+    else:
+        who = "every rank timed out: they were waiting in different collectives (a mismatch)"
+        where = ""
+    message = (
+        f"rank {failure.rank} waited more than collective_timeout={timeout:g} s in a collective; "
+        f"{who}. Look for a rank that skips or repeats a collective (a rank-dependent branch, "
+        f"uneven data), or raise collective_timeout for slow steps.{where}"
+    )
+    return CollectiveTimeout(message, rank=failure.rank, stuck_ranks=tuple(stuck))
+
+
+def _original_exception(report: Mapping[str, Any]) -> BaseException | None:
+    """Unpickle the worker's exception, but only if its module is already loaded here.
+
+    That keeps the parent free of torch (a torch error becomes a WorkerError naming it) and
+    of any import side effects; classes defined in the notebook come back as themselves.
+    """
+    module = str(report["type"]).rsplit(".", 1)[0]
+    if report.get("exception") is None or module.split(".")[0] not in sys.modules:
+        return None
+    try:
+        error = pickle.loads(report["exception"])
+    except Exception:  # noqa: BLE001 - any failure falls back to WorkerError
+        return None
+    return error if isinstance(error, BaseException) else None
+
+
+def _name_rank(error: BaseException, rank: int, world_size: int) -> None:
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"[rank {rank}] {error.args[0]}",)
+    note = f"[nbaccel] raised on rank {rank} of {world_size}; the worker's traceback is above."
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    try:
+        error.rank = rank  # type: ignore[attr-defined]
+    except AttributeError:
+        pass

@@ -1,0 +1,172 @@
+"""Parent side of the helper process: start it on first use, ask it to fork workers.
+
+One helper serves every launch of a kernel (that is what makes later launches as fast as a
+fork). It is started from a clean interpreter with ``subprocess``, so it never inherits the
+kernel's CUDA context, threads or sockets. A reader thread routes the helper's replies
+(pids, exit codes) to the run they belong to. If the helper dies, runs in flight fail with
+HelperError and the next launch starts a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nbaccel.errors import HelperError
+from nbaccel.launch import control
+
+HelperListener = Callable[[dict[str, Any]], None]
+READY_TIMEOUT_SECONDS = 300.0
+
+
+class HelperProcess:
+    """A running helper and the channel to it."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._sock, helper_end = control.socket_pair()
+        package_root = str(Path(__file__).resolve().parents[2])
+        helper_env = dict(env)
+        # The helper must never create a CUDA context: a forked worker could not use CUDA.
+        helper_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        helper_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "nbaccel.launch.helper_main",
+                 str(helper_end.fileno()), str(os.getpid())],
+                pass_fds=[helper_end.fileno()],
+                env=helper_env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # the kernel's interrupt must not reach it
+            )
+        finally:
+            helper_end.close()
+        self._send_lock = threading.Lock()
+        self._listeners: dict[str, HelperListener] = {}
+        self._listeners_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._failure: str | None = None
+        self._alive = True
+        self._reader = threading.Thread(target=self._read_loop, name="nbaccel-helper", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def subscribe(self, run_id: str, listener: HelperListener) -> None:
+        with self._listeners_lock:
+            self._listeners[run_id] = listener
+
+    def unsubscribe(self, run_id: str) -> None:
+        with self._listeners_lock:
+            self._listeners.pop(run_id, None)
+
+    def spawn(self, request: dict[str, Any], fds: list[int]) -> None:
+        """Ask for one worker; the reply (pid or failure) goes to the run's listener."""
+        self._send({"op": "spawn", **request}, fds)
+
+    def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
+        """Send ``signum`` to the process groups of a run's live workers."""
+        self._send({"op": "signal", "run": run_id, "signal": int(signum), "ranks": ranks})
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        if not self._ready.wait(timeout):
+            raise HelperError(f"the nbaccel helper did not start within {timeout:.0f} s")
+        if self._failure is not None:
+            raise HelperError(self._failure)
+
+    def close(self) -> None:
+        """Stop the helper: it kills its workers and exits when the socket closes."""
+        self._alive = False
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(timeout=5)
+        self._sock.close()
+
+    def _send(self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+        if not self._alive:
+            raise HelperError(self._failure or "the nbaccel helper process has exited")
+        try:
+            with self._send_lock:
+                control.send(self._sock, message, fds)
+        except OSError as error:
+            raise HelperError(f"lost the nbaccel helper process: {error}") from error
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                message, _ = control.receive(self._sock)
+            except OSError:
+                message = None
+            if message is None:
+                break
+            op = message["op"]
+            if op == "ready":
+                self._ready.set()
+            elif op == "failed":
+                self._failure = (
+                    "the nbaccel helper process could not preload torch and nbaccel's worker "
+                    "code. Check that torch is installed for "
+                    f"{sys.executable}:\n{message['error']}"
+                )
+                self._ready.set()
+            else:
+                with self._listeners_lock:
+                    listener = self._listeners.get(message.get("run", ""))
+                if listener is not None:
+                    listener(message)
+        self._alive = False
+        code = self._process.wait()
+        if self._failure is None:
+            self._failure = f"the nbaccel helper process exited (code {code})"
+        self._ready.set()
+        with self._listeners_lock:
+            listeners = list(self._listeners.values())
+        for listener in listeners:
+            listener({"op": "helper_died", "error": self._failure})
+
+
+_shared: HelperProcess | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_helper() -> HelperProcess:
+    """The helper for this process, started on first use (or again if it died).
+
+    This is a resource cache, like a connection pool: it holds no configuration.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None or not _shared.alive:
+            _shared = HelperProcess(os.environ)
+        return _shared
+
+
+def shutdown_shared_helper() -> None:
+    """Stop the shared helper (tests use it; the helper also exits with this process)."""
+    global _shared
+    with _shared_lock:
+        helper, _shared = _shared, None
+    if helper is not None:
+        helper.close()

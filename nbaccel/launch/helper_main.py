@@ -1,0 +1,174 @@
+"""The helper process: a clean interpreter with torch preloaded that forks workers on request.
+
+Started by the parent (``python -m nbaccel.launch.helper_main FD``) on the first launch and
+kept for later ones, so a launch costs a fork instead of an ``import torch``. The helper
+never runs a torch op, starts a thread or touches CUDA (a forked child of a process that
+has would hang or fail). It is single-threaded: one ``select`` loop over the control socket
+and a SIGCHLD wake-up pipe. It sits in its own session, ignores the kernel's interrupts,
+is a child subreaper (orphaned grandchildren come back to it and are killed), and exits,
+killing every worker, when the parent closes the socket or dies.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+from nbaccel.launch import control
+from nbaccel.launch.prctl import set_child_subreaper
+
+PRELOAD = ("torch", "torch.distributed", "cloudpickle", "psutil", "nbaccel.launch.worker")
+PARENT_POLL_SECONDS = 1.0
+
+
+class Helper:
+    def __init__(self, sock: socket.socket, parent_pid: int) -> None:
+        self.sock = sock
+        self.parent_pid = parent_pid
+        self.workers: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank)
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self.wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up fd fires
+        while os.getppid() == self.parent_pid:
+            ready, _, _ = select.select([self.sock, self.wake_read], [], [], PARENT_POLL_SECONDS)
+            if self.wake_read in ready:
+                while _drain(self.wake_read):
+                    pass
+                self.reap()
+            if self.sock in ready:
+                message, fds = control.receive(self.sock)
+                if message is None:
+                    return
+                self.handle(message, fds)
+
+    def handle(self, message: dict[str, Any], fds: list[int]) -> None:
+        if message["op"] == "spawn":
+            self.spawn(message, fds)
+        elif message["op"] == "signal":
+            ranks = message.get("ranks")
+            for pid, (run_id, rank) in list(self.workers.items()):
+                if run_id == message["run"] and (ranks is None or rank in ranks):
+                    _signal_group(pid, message["signal"])
+
+    def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
+        try:
+            pid = os.fork()
+        except OSError as error:
+            for fd in fds:
+                os.close(fd)
+            self.reply({"op": "spawn_failed", "run": message["run"], "rank": message["rank"],
+                        "error": f"fork failed: {error}"})
+            return
+        if pid == 0:  # the worker; never returns
+            try:
+                signal.set_wakeup_fd(-1)
+                os.close(self.wake_read)
+                os.close(self.wake_write)
+                self.sock.close()
+                from nbaccel.launch.worker import run_worker
+
+                run_worker(message, fds, helper_pid=os.getppid())
+            finally:
+                os._exit(70)
+        for fd in fds:
+            os.close(fd)
+        self.workers[pid] = (message["run"], message["rank"])
+        self.reply({"op": "spawned", "run": message["run"], "rank": message["rank"], "pid": pid})
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            owner = self.workers.pop(pid, None)
+            if owner is None:
+                continue  # an orphaned grandchild handed to us as subreaper
+            # The worker led its own process group: take down what it left (DataLoader workers).
+            _signal_group(pid, signal.SIGKILL)
+            run_id, rank = owner
+            self.reply({"op": "exited", "run": run_id, "rank": rank,
+                        "status": os.waitstatus_to_exitcode(status)})
+
+    def reply(self, message: dict[str, Any]) -> None:
+        try:
+            control.send(self.sock, message)
+        except OSError:
+            pass  # the parent is gone; serve() notices and shuts down
+
+    def shutdown(self) -> None:
+        """Kill every worker group and every remaining descendant, then reap them."""
+        for pid in list(self.workers):
+            _signal_group(pid, signal.SIGKILL)
+        try:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
+        except Exception:  # noqa: BLE001 - best effort while exiting
+            pass
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        try:  # not yet its own group leader (signalled right after fork)
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+    except PermissionError:
+        pass
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 4096))
+    except BlockingIOError:
+        return False
+
+
+def _exit_on_sigterm(*_: object) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[1]))
+    parent_pid = int(argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's, not ours
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        for module in PRELOAD:
+            __import__(module)
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises HelperError
+        control.send(sock, {"op": "failed", "error": traceback.format_exc()})
+        return 1
+    set_child_subreaper()
+    helper = Helper(sock, parent_pid)
+    control.send(sock, {"op": "ready", "pid": os.getpid(), "python": sys.version})
+    try:
+        helper.serve()
+    finally:
+        helper.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,199 @@
+"""``launch`` and ``notebook_launcher``: from a function in a cell to N running workers.
+
+Everything that can be wrong with the input is checked here, before any process, folder,
+pipe or port exists: the function, the arguments, every config value, the device count,
+and whether the function and its arguments can be pickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nbaccel.config import Config, shown_ranks
+from nbaccel.context import ProcessContext
+from nbaccel.devices import visible_gpu_count
+from nbaccel.errors import ConfigError
+from nbaccel.launch.helper import shared_helper
+from nbaccel.launch.payload import build_payload
+from nbaccel.launch.printer import TextPrinter
+from nbaccel.launch.run import Run
+from nbaccel.resolve import Resolved, resolve
+
+DASHBOARD_CHOICES = ("auto", "text", True, False)
+
+
+def launch(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] = (),
+    num_processes: int | None = None,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    dashboard: str | bool = "auto",
+    **overrides: Any,
+) -> Run:
+    """Start ``function(*args, **kwargs)`` on every worker and return at once with a ``Run``.
+
+    Any Config field can be given as a keyword (``mixed_precision="bf16"``); ``config`` is
+    a Config, a mapping or a YAML path. See ``notebook_launcher`` for the blocking form.
+
+    >>> import nbaccel
+    >>> def add(a, b):
+    ...     return a + b
+    >>> run = nbaccel.launch(add, args=(2, 3), num_processes=2)
+    >>> run.results()
+    {0: 5, 1: 5}
+    """
+    return _start(function, args, num_processes, kwargs, config, dashboard, overrides, blocking=False)
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] = (),
+    num_processes: int | None = None,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    dashboard: str | bool = "auto",
+    **overrides: Any,
+) -> Any:
+    """Run ``function(*args)`` on ``num_processes`` workers, stream their output, return rank 0's value.
+
+    A drop-in for ``accelerate.notebook_launcher`` (same first three arguments). A failing
+    rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
+    the worker's traceback chained. An interrupt stops every worker and re-raises.
+
+    >>> import nbaccel
+    >>> def world(scale):
+    ...     import torch.distributed as dist
+    ...     return dist.get_world_size() * scale
+    >>> nbaccel.notebook_launcher(world, args=(10,), num_processes=2)
+    20
+    """
+    run = _start(function, args, num_processes, kwargs, config, dashboard, overrides, blocking=True)
+    try:
+        run.wait()
+    except KeyboardInterrupt:
+        run.stop()
+        raise
+    return run.result()
+
+
+def _start(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any],
+    num_processes: int | None,
+    kwargs: Mapping[str, Any] | None,
+    config: Config | Mapping[str, Any] | str | Path | None,
+    dashboard: str | bool,
+    overrides: dict[str, Any],
+    *,
+    blocking: bool,
+) -> Run:
+    _check_call(function, args, kwargs, dashboard)
+    explicit = dict(overrides)
+    if num_processes is not None:
+        explicit["num_processes"] = num_processes
+    resolved = resolve(explicit, env=os.environ, config=config)
+    world_size = plan_world_size(resolved.config, os.environ)
+    payload = build_payload(function, tuple(args), kwargs or {}, resolved.config)
+
+    helper = shared_helper()  # started on first use; it imports torch while we go on
+    run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    run_dir = Path(resolved.config.runs_dir).resolve() / run_id
+    run_dir.mkdir(parents=True)
+    _write_config(run_dir, resolved)
+    run = Run(run_id, run_dir, resolved.config, world_size)
+    run.subscribe(TextPrinter(sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking))
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with tempfile.TemporaryFile() as payload_file, listener:
+        payload_file.write(payload)
+        payload_file.flush()
+        # Bind the rendezvous port here and hand the listening socket to rank 0: the port
+        # is held from the moment it is chosen, so no other process can take it.
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        requests = [
+            {"context": context, "env": worker_env(context, resolved.config, os.environ), "cwd": os.getcwd()}
+            for context in _contexts(run_id, world_size, port)
+        ]
+        run.start(helper, requests, payload_file.fileno(), listener.fileno())
+    return run
+
+
+def _check_call(
+    function: Any, args: Any, kwargs: Any, dashboard: Any
+) -> None:
+    if not callable(function):
+        raise TypeError(
+            f"nbaccel needs a function to run in each worker, got {type(function).__name__} "
+            f"{function!r}. Pass the function itself: notebook_launcher(train), not train()."
+        )
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(
+            f"args must be a tuple or list of positional arguments, got {type(args).__name__}. "
+            "For one argument write args=(value,)."
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}.")
+    if dashboard not in DASHBOARD_CHOICES:
+        raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
+
+
+def plan_world_size(config: Config, env: Mapping[str, str]) -> int:
+    """Worker count for this machine, checked against the GPUs that are visible."""
+    gpus = 0 if config.use_cpu else visible_gpu_count(env)
+    if config.num_processes is None:
+        return max(gpus, 1)
+    if gpus and config.num_processes > gpus:
+        raise ConfigError(
+            f"num_processes={config.num_processes}, but only {gpus} GPU(s) are visible"
+            f" (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use "
+            f"num_processes<={gpus}, or use_cpu=True to run CPU processes instead.",
+            field="num_processes",
+        )
+    return config.num_processes
+
+
+def worker_env(context: ProcessContext, config: Config, base: Mapping[str, str]) -> dict[str, str]:
+    """One worker's environment: the parent's, plus torch.distributed and Accelerate variables."""
+    env = dict(base)
+    env.update(context.torch_env())
+    # What Hugging Face Accelerate reads, so code written for it runs unchanged.
+    env["ACCELERATE_MIXED_PRECISION"] = config.mixed_precision
+    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
+    if config.use_cpu or not visible_gpu_count(base):
+        env["ACCELERATE_USE_CPU"] = "true"
+    # Threads are sized once per worker (torch.set_num_threads reads this in the worker).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // context.local_world_size)))
+    env["PYTHONUNBUFFERED"] = "1"
+    if env.get("MPLBACKEND", "").startswith("module://"):
+        env["MPLBACKEND"] = "Agg"  # the notebook's inline backend needs a kernel
+    return env
+
+
+def _contexts(run_id: str, world_size: int, port: int) -> list[ProcessContext]:
+    return [
+        ProcessContext(
+            rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
+            node_rank=0, master_addr="127.0.0.1", master_port=port, run_id=run_id,
+        )
+        for rank in range(world_size)
+    ]
+
+
+def _write_config(run_dir: Path, resolved: Resolved) -> None:
+    record = {"config": dataclasses.asdict(resolved.config), "sources": dict(resolved.sources)}
+    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")

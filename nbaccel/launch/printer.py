@@ -1,0 +1,45 @@
+"""Text output of a run: the shown ranks' lines, labelled, with ``\\r`` progress bars kept.
+
+Used outside Jupyter, without ipywidgets, and as the dashboard's fallback. Rank 0 is
+printed bare; other ranks get a ``[rank N]`` label.
+"""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+from nbaccel.events import Event, LogLine, RunEnded, RunState
+
+
+class TextPrinter:
+    """A run subscriber that writes the chosen ranks' output to a text stream."""
+
+    def __init__(self, stream: TextIO, ranks: frozenset[int] | None, announce_end: bool) -> None:
+        self._stream = stream
+        self._ranks = ranks
+        self._announce_end = announce_end
+        self._open_rank: int | None = None  # whose "\r" progress line is being redrawn
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, LogLine):
+            if self._ranks is not None and event.rank not in self._ranks:
+                return
+            label = f"[rank {event.rank}] " if event.rank != 0 else ""
+            text = label + event.text
+            if event.replace and self._open_rank == event.rank:
+                self._stream.write("\r" + text)
+            else:
+                self._stream.write(("\n" if self._open_rank is not None else "") + text)
+            # A line that may be redrawn stays open (no newline) until it is final or another
+            # line comes, so a terminal or a notebook redraws the bar in place.
+            self._open_rank = event.rank if event.partial else None
+            if not event.partial:
+                self._stream.write("\n")
+            self._stream.flush()
+        elif isinstance(event, RunEnded):
+            if self._open_rank is not None:
+                self._stream.write("\n")
+                self._open_rank = None
+            if self._announce_end and event.state is not RunState.SUCCEEDED:
+                self._stream.write(f"nbaccel: run {event.state.value}: {event.error}\n")
+            self._stream.flush()

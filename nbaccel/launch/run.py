@@ -1,0 +1,389 @@
+"""``Run``: one launch in flight, and the thread that pumps its workers' output and events.
+
+The pump thread alone owns the run's state. It reads every rank's output pipe and event
+pipe, takes exit codes from the helper through an inbox, decides which rank failed first,
+stops the others (SIGTERM, then SIGKILL; SIGINT first for a user's stop), and ends when
+every worker is reaped and its pipes are drained (or a short drain deadline passes, since
+grandchildren may hold a pipe open). Subscribers get events on the pump thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue
+import selectors
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbaccel.config import Config
+from nbaccel.errors import HelperError, RunCancelled
+from nbaccel.events import (
+    Event, FrameDecoder, LogLine, Metric, RankExited, RunEnded, RunStarted, RunState,
+)
+from nbaccel.launch.failures import Failure, build_error, choose_culprit
+from nbaccel.launch.helper import HelperProcess
+from nbaccel.launch.output import LineSplitter, render
+
+ARBITRATION_SECONDS = 0.5  # collect peers' failures before naming the culprit
+DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
+FAILURE_ESCALATION = ((0.0, signal.SIGTERM), (1.0, signal.SIGKILL))
+STOP_ESCALATION = ((0.0, signal.SIGINT), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
+HANG_ESCALATION = ((0.0, signal.SIGUSR1), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
+
+Subscriber = Callable[[Event], None]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    log_file: Any
+    log_fd: int
+    event_fd: int
+    splitter: LineSplitter = field(default_factory=LineSplitter)
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    pid: int | None = None
+    exitcode: int | None = None
+    result: bytes | None = None
+    has_result: bool = False
+
+
+class Run:
+    """A launch in flight or finished. Made by ``nbaccel.launch``; see DESIGN.md §1.
+
+    >>> import nbaccel
+    >>> run = nbaccel.launch(sum, args=([1, 2],), num_processes=1, log_ranks="all")
+    >>> run.result(), run.state
+    (3, <RunState.SUCCEEDED: 'succeeded'>)
+    """
+
+    def __init__(self, run_id: str, run_dir: Path, config: Config, world_size: int) -> None:
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.config = config
+        self.world_size = world_size
+        self._state = RunState.PENDING
+        self._subscribers: list[Subscriber] = []
+        self._metrics: list[dict[str, Any]] = []
+        self._metrics_lock = threading.Lock()
+        self._done = threading.Event()
+        self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()
+        self._ranks: list[_Rank] = []
+        self._failures: list[Failure] = []
+        self._culprit: Failure | None = None
+        self._stuck: list[int] = []
+        self._cancel_requested = False
+        self._escalation: list[tuple[float, int]] = []
+        self._escalation_ranks: list[int] | None = None
+        self._decide_at: float | None = None
+        self._drain_deadline: float | None = None
+        self._error: BaseException | None = None
+        self._results_cache: dict[int, Any] = {}
+        self._started = time.monotonic()
+        self._helper: HelperProcess | None = None
+        self._events_file: Any = None
+
+    # ----- public API -------------------------------------------------------------
+    @property
+    def state(self) -> RunState:
+        return self._state
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the run failed with (None while running or on success)."""
+        return self._error
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """Records logged on rank 0, in order: the logged values plus ``step``."""
+        with self._metrics_lock:
+            return list(self._metrics)
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """Receive every later event (called on the pump thread: keep it quick)."""
+        self._subscribers.append(subscriber)
+
+    def wait(self, timeout: float | None = None) -> RunState:
+        """Block until the run ends; returns its state. TimeoutError if it has not ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
+        return self._state
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's return value; raises the run's error if it failed."""
+        return self._value(0, timeout)
+
+    def results(self, timeout: float | None = None) -> dict[int, Any]:
+        """Every rank's return value, ``{rank: value}``."""
+        self.wait(timeout)
+        return {r.rank: self._value(r.rank, None) for r in self._ranks}
+
+    def stop(self, timeout: float = 10.0) -> RunState:
+        """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL."""
+        if not self._done.is_set():
+            self._post({"op": "stop"})
+        return self.wait(timeout)
+
+    def logs(self, rank: int = 0) -> str:
+        """Everything rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in this run (world size {self.world_size})")
+        return render((self.run_dir / f"rank{rank}.log").read_bytes())
+
+    def __repr__(self) -> str:
+        return f"<nbaccel.Run {self.run_id} {self._state.value} world_size={self.world_size} run_dir={str(self.run_dir)!r}>"
+
+    # ----- start-up (called by the launcher) --------------------------------------
+    def start(self, helper: HelperProcess, requests: list[dict[str, Any]], payload_fd: int, listen_fd: int) -> None:
+        self._helper = helper
+        self._events_file = open(self.run_dir / "events.jsonl", "a", buffering=1)
+        helper.subscribe(self.run_id, self._post)
+        child_fds: list[int] = []
+        try:
+            for request in requests:
+                rank = request["context"].rank
+                log_read, log_write = os.pipe()
+                event_read, event_write = os.pipe()
+                for fd in (log_read, event_read):
+                    os.set_blocking(fd, False)
+                log_file = open(self.run_dir / f"rank{rank}.log", "wb", buffering=0)
+                self._ranks.append(_Rank(rank, log_file, log_read, event_read))
+                child_fds += [log_write, event_write]
+                fds = [payload_fd, log_write, event_write] + ([listen_fd] if rank == 0 else [])
+                helper.spawn({**request, "run": self.run_id, "rank": rank}, fds)
+                os.close(log_write)
+                os.close(event_write)
+                child_fds.clear()
+        except BaseException:
+            for fd in child_fds:
+                os.close(fd)
+            self._close_everything()
+            raise
+        self._state = RunState.RUNNING
+        self._emit(RunStarted(self.run_id, self.world_size, str(self.run_dir), time.time()))
+        threading.Thread(target=self._pump, name=f"nbaccel-run-{self.run_id}", daemon=True).start()
+
+    # ----- the pump thread --------------------------------------------------------
+    def _post(self, message: dict[str, Any]) -> None:
+        """Hand a message to the pump thread (from the helper reader or the user's thread)."""
+        with self._wake_lock:
+            if self._wake_write == -1:
+                return  # the run has ended
+            self._inbox.put(message)
+            try:
+                os.write(self._wake_write, b"\0")
+            except BlockingIOError:
+                pass  # already woken
+
+    def _pump(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_read, selectors.EVENT_READ, None)
+        for r in self._ranks:
+            selector.register(r.log_fd, selectors.EVENT_READ, (r, "log"))
+            selector.register(r.event_fd, selectors.EVENT_READ, (r, "events"))
+        try:
+            while not self._finished():
+                for key, _ in selector.select(self._select_timeout()):
+                    if key.data is None:
+                        os.read(self._wake_read, 4096)
+                    else:
+                        self._read(selector, *key.data)
+                while not self._inbox.empty():
+                    self._handle(self._inbox.get(), selector)
+                self._tick()
+        finally:
+            selector.close()
+            self._finalize()
+
+    def _read(self, selector: selectors.BaseSelector, r: _Rank, kind: str) -> bool:
+        """Read one chunk from a rank's pipe; False when nothing was there or it closed."""
+        fd = r.log_fd if kind == "log" else r.event_fd
+        if fd == -1:
+            return False
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        if not data:
+            selector.unregister(fd)
+            os.close(fd)
+            if kind == "log":
+                r.log_fd = -1
+                self._emit_lines(r, r.splitter.close())
+            else:
+                r.event_fd = -1
+            return False
+        if kind == "log":
+            r.log_file.write(data)
+            self._emit_lines(r, r.splitter.feed(data))
+        else:
+            for message in r.decoder.feed(data):
+                self._on_worker_message(r, message)
+        return True
+
+    def _emit_lines(self, r: _Rank, lines: list[tuple[str, bool, bool]]) -> None:
+        now = time.time()
+        for text, replace, partial in lines:
+            self._emit(LogLine(r.rank, text, replace, partial, now))
+
+    def _on_worker_message(self, r: _Rank, message: dict[str, Any]) -> None:
+        kind = message["kind"]
+        if kind == "metric":
+            event = Metric(r.rank, message["step"], message["values"], message["time"])
+            if r.rank == 0:
+                with self._metrics_lock:
+                    self._metrics.append({**message["values"], "step": message["step"]})
+            self._record({"event": "metric", "rank": r.rank, "step": message["step"], **message["values"]})
+            self._emit(event)
+        elif kind == "result":
+            r.result, r.has_result = message["value"], True
+            (self.run_dir / f"result-rank{r.rank}.pkl").write_bytes(message["value"])
+        elif kind == "error":
+            self._fail(Failure(r.rank, message["cause"], message["time"], report=message))
+
+    def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
+        op = message["op"]
+        if op == "stop":
+            if not self._cancel_requested and self._culprit is None:
+                self._cancel_requested = True
+                self._escalate(STOP_ESCALATION, None)
+        elif op == "spawned":
+            self._ranks[message["rank"]].pid = message["pid"]
+        elif op == "exited":
+            self._on_exit(self._ranks[message["rank"]], message["status"], selector)
+        elif op in ("spawn_failed", "helper_died"):
+            rank = message.get("rank", 0)
+            self._fail(Failure(rank, "error", 0.0, error=HelperError(message["error"])))
+            for r in self._ranks:
+                if r.exitcode is None and (op == "helper_died" or r.rank == message["rank"]):
+                    self._on_exit(r, -int(signal.SIGKILL), selector)
+
+    def _on_exit(self, r: _Rank, status: int, selector: selectors.BaseSelector) -> None:
+        # The worker is gone, so everything it wrote is already in its event pipe: read it
+        # first, or an exit could overtake the result or the error it reported.
+        while self._read(selector, r, "events"):
+            pass
+        r.exitcode = status
+        self._record({"event": "exited", "rank": r.rank, "exitcode": status})
+        self._emit(RankExited(r.rank, status, time.time()))
+        if not r.has_result and not self._cancel_requested:
+            self._fail(Failure(r.rank, "exit", time.time(), exitcode=status))
+        if all(x.exitcode is not None for x in self._ranks):
+            self._drain_deadline = time.monotonic() + DRAIN_SECONDS
+
+    def _fail(self, failure: Failure) -> None:
+        if self._cancel_requested or self._culprit is not None:
+            return  # collateral of a failure already decided, or of a stop
+        if any(f.rank == failure.rank for f in self._failures):
+            return  # the exit that follows a reported error
+        self._failures.append(failure)
+        if self._decide_at is None:
+            self._decide_at = time.monotonic() + ARBITRATION_SECONDS
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        everyone_exited = all(r.exitcode is not None for r in self._ranks)
+        if self._decide_at is not None and self._culprit is None and (now >= self._decide_at or everyone_exited):
+            self._culprit = choose_culprit(self._failures)
+            if self._culprit.cause == "timeout":
+                failed = {f.rank for f in self._failures}
+                self._stuck = [r.rank for r in self._ranks if r.exitcode is None and r.rank not in failed]
+                self._escalate(HANG_ESCALATION, self._stuck)
+            else:
+                self._escalate(FAILURE_ESCALATION, None)
+        while self._escalation and self._escalation[0][0] <= now:
+            _, signum = self._escalation.pop(0)
+            ranks = self._escalation_ranks if signum == signal.SIGUSR1 else None
+            if any(r.exitcode is None for r in self._ranks) and self._helper is not None:
+                self._helper.signal(self.run_id, signum, ranks)
+
+    def _escalate(self, steps: tuple[tuple[float, int], ...], ranks: list[int] | None) -> None:
+        start = time.monotonic()
+        self._escalation = [(start + delay, int(signum)) for delay, signum in steps]
+        self._escalation_ranks = ranks
+
+    def _select_timeout(self) -> float | None:
+        deadlines = [d for d in (self._decide_at if self._culprit is None else None, self._drain_deadline) if d]
+        deadlines += [when for when, _ in self._escalation[:1]]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _finished(self) -> bool:
+        if any(r.exitcode is None for r in self._ranks):
+            return False
+        pipes_open = any(r.log_fd != -1 or r.event_fd != -1 for r in self._ranks)
+        return not pipes_open or (self._drain_deadline is not None and time.monotonic() >= self._drain_deadline)
+
+    def _finalize(self) -> None:
+        if self._culprit is None and self._failures:
+            self._culprit = choose_culprit(self._failures)
+        if self._culprit is not None:
+            stuck_logs = {r: "\n".join(self.logs(r).splitlines()[-20:]) for r in self._stuck}
+            self._error = build_error(
+                self._culprit, world_size=self.world_size,
+                collective_timeout=self.config.collective_timeout,
+                stuck_ranks=self._stuck, stuck_logs=stuck_logs,
+            )
+            state = RunState.FAILED
+        elif self._cancel_requested and not all(r.has_result for r in self._ranks):
+            state = RunState.CANCELLED
+        else:
+            state = RunState.SUCCEEDED
+        for r in self._ranks:
+            if r.log_fd != -1:
+                self._emit_lines(r, r.splitter.close())
+        self._close_everything()
+        self._record({"event": "ended", "state": state.value})
+        if self._events_file is not None:
+            self._events_file.close()
+        self._state = state
+        self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
+        self._done.set()
+
+    def _close_everything(self) -> None:
+        if self._helper is not None:
+            self._helper.unsubscribe(self.run_id)
+        for r in self._ranks:
+            for fd in (r.log_fd, r.event_fd):
+                if fd != -1:
+                    os.close(fd)
+            r.log_fd = r.event_fd = -1
+            r.log_file.close()
+        with self._wake_lock:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_read = self._wake_write = -1
+
+    # ----- helpers ----------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        for subscriber in self._subscribers:
+            try:
+                subscriber(event)
+            except Exception as error:  # noqa: BLE001 - a broken display must not stop the run
+                print(f"nbaccel: a run subscriber failed: {error!r}", file=sys.__stderr__)
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        if self._events_file is not None:
+            self._events_file.write(json.dumps({"time": time.time(), **entry}) + "\n")
+
+    def _value(self, rank: int, timeout: float | None) -> Any:
+        state = self.wait(timeout)
+        if state is RunState.FAILED:
+            assert self._error is not None
+            raise self._error
+        if state is RunState.CANCELLED:
+            raise RunCancelled(f"run {self.run_id} was stopped before it finished; it has no result.")
+        if rank not in self._results_cache:
+            self._results_cache[rank] = pickle.loads(self._ranks[rank].result or pickle.dumps(None))
+        return self._results_cache[rank]

@@ -1,0 +1,176 @@
+"""The worker side of a launch: runs in a child forked from the helper, never in the parent.
+
+Order matters here: become a session leader (so a stop reaches grandchildren), die with the
+helper, point fd 1 and 2 at the capture pipe (C/C++ output included), take the launch's
+environment, then load the payload, start torch.distributed and call the function. The
+result or the exception goes back on the event pipe; the worker then destroys its process
+group and leaves with ``os._exit`` (a live gloo group at interpreter shutdown can SIGABRT).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from nbaccel.config import Config
+from nbaccel.context import ProcessContext, WorkerSession, activate
+from nbaccel.events import EventWriter
+from nbaccel.launch.prctl import flush_c_stdio, set_parent_death_signal
+
+# Rank 0's TCPStore server: kept alive for the process's lifetime, reused by
+# init_process_group() through the multi-tenant store registry.
+_store: Any = None
+
+
+def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoReturn:
+    os.setsid()
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != helper_pid:  # the helper died between fork and prctl
+        os._exit(1)
+    payload_fd, log_fd, events_fd, *listen = fds
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+    events = EventWriter(events_fd)
+    context: ProcessContext = request["context"]
+    code = _run(context, events, payload_fd, listen[0] if listen else None)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    flush_c_stdio()
+    os._exit(code)
+
+
+def _run(context: ProcessContext, events: EventWriter, payload_fd: int, listen_fd: int | None) -> int:
+    try:
+        payload = pickle.loads(_read_all(payload_fd))
+        os.close(payload_fd)
+        sys.path[:] = payload["sys_path"]
+        for filename, lines in payload["sources"].items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        config: Config = payload["config"]
+        activate(WorkerSession(context=context, config=config, events=events))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        _start_distributed(context, config, listen_fd)
+        function, args, kwargs = pickle.loads(payload["function"])
+        try:
+            value = function(*args, **kwargs)
+        except SystemExit as exit_request:
+            if exit_request.code not in (0, None):
+                raise
+            value = None
+        events.send({"kind": "result", "value": _dump_result(context.rank, value)})
+        _finish_distributed()
+        return 0
+    except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
+        events.send(error_message(error, context.rank))
+        return 1
+
+
+def _start_distributed(context: ProcessContext, config: Config, listen_fd: int | None) -> None:
+    global _store
+    timeout = timedelta(seconds=config.collective_timeout)
+    if listen_fd is not None:
+        # Rank 0 serves the rendezvous store on the socket the parent bound and handed over:
+        # no port race, and peers never connect before it listens.
+        _store = dist.TCPStore(
+            context.master_addr, context.master_port, context.world_size, is_master=True,
+            timeout=timeout, multi_tenant=True, master_listen_fd=listen_fd,
+            wait_for_workers=False,
+        )
+    if not config.init_process_group:
+        return
+    use_cuda = torch.cuda.is_available() and not config.use_cpu
+    if use_cuda:
+        torch.cuda.set_device(context.local_rank)
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _finish_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # nobody tears down the store while a peer still needs it
+        dist.destroy_process_group()
+
+
+def _dump_result(rank: int, value: Any) -> bytes:
+    try:
+        return bytes(cloudpickle.dumps(value))
+    except Exception as error:
+        raise TypeError(
+            f"the value returned on rank {rank} ({type(value).__name__}) cannot be pickled "
+            f"to send it back: {error}. Return plain data (numbers, lists, dicts, tensors)."
+        ) from error
+
+
+def error_message(error: BaseException, rank: int) -> dict[str, Any]:
+    """The event describing an exception, with a traceback that starts in user code."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    try:
+        pickled: bytes | None = bytes(cloudpickle.dumps(error))
+    except Exception:  # noqa: BLE001 - the parent falls back to WorkerError
+        pickled = None
+    return {
+        "kind": "error",
+        "rank": rank,
+        "type": f"{type(error).__module__}.{type(error).__qualname__}",
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(type(error), error, tb)),
+        "exception": pickled,
+        "cause": classify_failure(error),
+        "time": time.time(),
+    }
+
+
+def classify_failure(error: BaseException) -> str:
+    """'timeout' and 'peer' mark failures caused by another rank; 'error' is a rank's own.
+
+    >>> classify_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    'peer'
+    >>> classify_failure(ValueError("timed out"))
+    'error'
+    """
+    if not isinstance(error, RuntimeError):
+        return "error"
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return "timeout"
+    if any(s in text for s in ("closed by peer", "reset by peer", "broken pipe", "connection refused")):
+        return "peer"
+    return "error"
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, size - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,46 @@
+"""``log_metrics``: report scalars from worker code to the parent (``run.metrics``, the dashboard).
+
+``Accelerator.log`` calls this; any code running in a launched worker may call it too.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from nbaccel.context import active_session
+
+
+def log_metrics(values: Mapping[str, Any], step: int | None = None) -> dict[str, Any]:
+    """Send named scalars to the launcher; returns the record as ``run.metrics`` will hold it.
+
+    Values may be Python numbers or anything with ``.item()`` (0-d tensors, numpy scalars).
+    Without ``step`` the step counts this process's calls. Outside an nbaccel worker the
+    record is only returned, so the same code runs under any launcher.
+
+    >>> log_metrics({"loss": 0.5}, step=3)
+    {'loss': 0.5, 'step': 3}
+    """
+    scalars = {str(name): _scalar(name, value) for name, value in values.items()}
+    session = active_session()
+    if step is None:
+        step = session.metric_steps if session else 0
+    if session is not None:
+        session.metric_steps = step + 1
+        session.events.send(
+            {"kind": "metric", "step": int(step), "values": scalars, "time": time.time()}
+        )
+    return {**scalars, "step": int(step)}
+
+
+def _scalar(name: object, value: Any) -> float:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"log_metrics: {name!r} is {type(value).__name__}, not a number. Log scalars "
+            "(floats, ints, 0-d tensors); reduce a tensor with .mean() first."
+        )
+    return float(value)
