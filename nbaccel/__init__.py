@@ -4,7 +4,7 @@ Importing nbaccel never imports torch: the kernel stays free of CUDA and torch s
 only the worker processes load torch.
 
 >>> import nbaccel, sys
->>> "torch" in sys.modules and sys.modules.get("nbaccel.launch.worker") is not None
+>>> "torch" in sys.modules and sys.modules.get("nbaccel.launcher.worker") is not None
 False
 """
 
@@ -20,8 +20,8 @@ from nbaccel.errors import (
     WorkerError,
 )
 from nbaccel.events import RunState
-from nbaccel.launch.launcher import launch, notebook_launcher
-from nbaccel.launch.run import Run
+from nbaccel.launcher.api import launch, notebook_launcher
+from nbaccel.launcher.run import Run
 from nbaccel.metrics import log_metrics
 from nbaccel.resolve import resolve
 

@@ -1,7 +1,10 @@
 """The helper process: a clean interpreter with torch preloaded that forks workers on request.
 
-Started by the parent (``python -m nbaccel.launch.helper_main FD``) on the first launch and
-kept for later ones, so a launch costs a fork instead of an ``import torch``. The helper
+Started by the parent (``python -m nbaccel.launcher.helper_main FD``) on the first launch and
+kept for later ones, so a launch costs a fork instead of an ``import torch``. Between
+launches it forks idle *spares* (as many as the largest recent launch), each waiting on
+its own socket, so a launch does not even wait for ``fork`` (several ms under a sandbox or
+with a large address space): the request and its fds go straight to a spare. The helper
 never runs a torch op, starts a thread or touches CUDA (a forked child of a process that
 has would hang or fail). It is single-threaded: one ``select`` loop over the control socket
 and a SIGCHLD wake-up pipe. It sits in its own session, ignores the kernel's interrupts,
@@ -19,11 +22,12 @@ import sys
 import traceback
 from typing import Any
 
-from nbaccel.launch import control
-from nbaccel.launch.prctl import set_child_subreaper
+from nbaccel.launcher import control
+from nbaccel.launcher.prctl import set_child_subreaper, set_parent_death_signal
 
-PRELOAD = ("torch", "torch.distributed", "cloudpickle", "psutil", "nbaccel.launch.worker")
+PRELOAD = ("torch", "torch.distributed", "cloudpickle", "psutil", "nbaccel.launcher.worker")
 PARENT_POLL_SECONDS = 1.0
+MAX_SPARES = 16
 
 
 class Helper:
@@ -31,6 +35,8 @@ class Helper:
         self.sock = sock
         self.parent_pid = parent_pid
         self.workers: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank)
+        self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
+        self.wanted_spares = 0
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -39,7 +45,13 @@ class Helper:
         signal.set_wakeup_fd(self.wake_write)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up fd fires
         while os.getppid() == self.parent_pid:
-            ready, _, _ = select.select([self.sock, self.wake_read], [], [], PARENT_POLL_SECONDS)
+            # Make spares only when idle, one per turn, so requests are never kept waiting.
+            idle = len(self.spares) >= self.wanted_spares
+            timeout = PARENT_POLL_SECONDS if idle else 0.0
+            ready, _, _ = select.select([self.sock, self.wake_read], [], [], timeout)
+            if not ready and not idle:
+                self.fork_spare()
+                continue
             if self.wake_read in ready:
                 while _drain(self.wake_read):
                     pass
@@ -60,29 +72,62 @@ class Helper:
                     _signal_group(pid, message["signal"])
 
     def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
-        try:
-            pid = os.fork()
-        except OSError as error:
-            for fd in fds:
-                os.close(fd)
-            self.reply({"op": "spawn_failed", "run": message["run"], "rank": message["rank"],
-                        "error": f"fork failed: {error}"})
-            return
-        if pid == 0:  # the worker; never returns
+        world_size = message["context"].world_size
+        self.wanted_spares = min(MAX_SPARES, max(self.wanted_spares, world_size))
+        while self.spares:
+            pid, channel = self.spares.pop()
             try:
-                signal.set_wakeup_fd(-1)
-                os.close(self.wake_read)
-                os.close(self.wake_write)
-                self.sock.close()
-                from nbaccel.launch.worker import run_worker
-
-                run_worker(message, fds, helper_pid=os.getppid())
+                control.send(channel, message, fds)
+            except OSError:
+                continue  # that spare died; its exit is reaped as an unknown child
             finally:
-                os._exit(70)
+                channel.close()
+            break
+        else:
+            pid = self.fork_spare(fds_to_close=fds)
+            if pid is None:
+                for fd in fds:
+                    os.close(fd)
+                self.reply({"op": "spawn_failed", "run": message["run"], "rank": message["rank"],
+                            "error": "fork failed: the helper could not start a worker"})
+                return
+            channel = self.spares.pop()[1]
+            control.send(channel, message, fds)
+            channel.close()
         for fd in fds:
             os.close(fd)
         self.workers[pid] = (message["run"], message["rank"])
         self.reply({"op": "spawned", "run": message["run"], "rank": message["rank"], "pid": pid})
+
+    def fork_spare(self, fds_to_close: list[int] | tuple[int, ...] = ()) -> int | None:
+        """Fork an idle child that waits for one spawn request, then becomes that worker."""
+        ours, theirs = control.socket_pair()
+        helper_pid = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return None
+        if pid == 0:  # the spare; never returns
+            try:
+                signal.set_wakeup_fd(-1)
+                for fd in (self.wake_read, self.wake_write, *fds_to_close):
+                    os.close(fd)
+                for other in (self.sock, ours, *(channel for _, channel in self.spares)):
+                    other.close()
+                set_parent_death_signal(signal.SIGKILL)
+                message, fds = control.receive(theirs)
+                if message is not None:
+                    theirs.close()
+                    from nbaccel.launcher.worker import run_worker
+
+                    run_worker(message, fds, helper_pid=helper_pid)
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.spares.append((pid, ours))
+        return pid
 
     def reap(self) -> None:
         while True:
@@ -93,8 +138,11 @@ class Helper:
             if pid == 0:
                 return
             owner = self.workers.pop(pid, None)
-            if owner is None:
-                continue  # an orphaned grandchild handed to us as subreaper
+            if owner is None:  # a spare that died, or an orphaned grandchild (we are subreaper)
+                for spare in [s for s in self.spares if s[0] == pid]:
+                    spare[1].close()
+                    self.spares.remove(spare)
+                continue
             # The worker led its own process group: take down what it left (DataLoader workers).
             _signal_group(pid, signal.SIGKILL)
             run_id, rank = owner
@@ -110,6 +158,9 @@ class Helper:
     def shutdown(self) -> None:
         """Kill every worker group and every remaining descendant, then reap them."""
         for pid in list(self.workers):
+            _signal_group(pid, signal.SIGKILL)
+        for pid, channel in self.spares:
+            channel.close()
             _signal_group(pid, signal.SIGKILL)
         try:
             import psutil

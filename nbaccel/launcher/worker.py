@@ -27,7 +27,7 @@ import torch.distributed as dist
 from nbaccel.config import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter
-from nbaccel.launch.prctl import flush_c_stdio, set_parent_death_signal
+from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 
 # Rank 0's TCPStore server: kept alive for the process's lifetime, reused by
 # init_process_group() through the multi-tenant store registry.
@@ -110,9 +110,11 @@ def _start_distributed(context: ProcessContext, config: Config, listen_fd: int |
 
 
 def _finish_distributed() -> None:
+    # The barrier keeps rank 0's store up until every peer is done with it. The group is not
+    # destroyed: gloo's teardown costs ~20 ms, and os._exit follows, which runs no C++
+    # destructors, so the SIGABRT a live group can cause at interpreter shutdown cannot occur.
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # nobody tears down the store while a peer still needs it
-        dist.destroy_process_group()
+        dist.barrier()
 
 
 def _dump_result(rank: int, value: Any) -> bytes:

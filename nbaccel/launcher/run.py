@@ -28,9 +28,9 @@ from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import (
     Event, FrameDecoder, LogLine, Metric, RankExited, RunEnded, RunStarted, RunState,
 )
-from nbaccel.launch.failures import Failure, build_error, choose_culprit
-from nbaccel.launch.helper import HelperProcess
-from nbaccel.launch.output import LineSplitter, render
+from nbaccel.launcher.failures import Failure, build_error, choose_culprit
+from nbaccel.launcher.helper import HelperProcess
+from nbaccel.launcher.output import LineSplitter, render
 
 ARBITRATION_SECONDS = 0.5  # collect peers' failures before naming the culprit
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open

@@ -23,10 +23,10 @@ from nbaccel.config import Config, shown_ranks
 from nbaccel.context import ProcessContext
 from nbaccel.devices import visible_gpu_count
 from nbaccel.errors import ConfigError
-from nbaccel.launch.helper import shared_helper
-from nbaccel.launch.payload import build_payload
-from nbaccel.launch.printer import TextPrinter
-from nbaccel.launch.run import Run
+from nbaccel.launcher.helper import shared_helper
+from nbaccel.launcher.payload import build_payload
+from nbaccel.launcher.printer import TextPrinter
+from nbaccel.launcher.run import Run
 from nbaccel.resolve import Resolved, resolve
 
 DASHBOARD_CHOICES = ("auto", "text", True, False)

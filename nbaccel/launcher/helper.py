@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.errors import HelperError
-from nbaccel.launch import control
+from nbaccel.launcher import control
 
 HelperListener = Callable[[dict[str, Any]], None]
 READY_TIMEOUT_SECONDS = 300.0
@@ -39,7 +39,7 @@ class HelperProcess:
         )
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "nbaccel.launch.helper_main",
+                [sys.executable, "-m", "nbaccel.launcher.helper_main",
                  str(helper_end.fileno()), str(os.getpid())],
                 pass_fds=[helper_end.fileno()],
                 env=helper_env,

@@ -62,12 +62,17 @@ def build_error(
             failure, collective_timeout, stuck_ranks, stuck_logs or {}
         )
     else:
-        error = _original_exception(report) or WorkerError(
-            f"rank {failure.rank} raised {report['type']}: {report['message']}",
-            rank=failure.rank,
-            exc_type=report["type"],
+        what = (
+            f"called sys.exit({report['message']})"
+            if report["type"] == "builtins.SystemExit"
+            else f"raised {report['type']}: {report['message']}"
         )
-        _name_rank(error, failure.rank, world_size)
+        original = _original_exception(report)
+        if original is not None:
+            _name_rank(original, failure.rank, world_size)
+        error = original or WorkerError(
+            f"rank {failure.rank} {what}", rank=failure.rank, exc_type=report["type"]
+        )
     error.__cause__ = remote
     return error
 
@@ -94,6 +99,8 @@ def _original_exception(report: Mapping[str, Any]) -> BaseException | None:
 
     That keeps the parent free of torch (a torch error becomes a WorkerError naming it) and
     of any import side effects; classes defined in the notebook come back as themselves.
+    Only ``Exception`` subclasses come back: a worker's SystemExit or KeyboardInterrupt
+    re-raised here would end the parent's script or look like the user's own interrupt.
     """
     module = str(report["type"]).rsplit(".", 1)[0]
     if report.get("exception") is None or module.split(".")[0] not in sys.modules:
@@ -102,7 +109,7 @@ def _original_exception(report: Mapping[str, Any]) -> BaseException | None:
         error = pickle.loads(report["exception"])
     except Exception:  # noqa: BLE001 - any failure falls back to WorkerError
         return None
-    return error if isinstance(error, BaseException) else None
+    return error if isinstance(error, Exception) else None
 
 
 def _name_rank(error: BaseException, rank: int, world_size: int) -> None:
