@@ -3,9 +3,12 @@
 Importing nbaccel never imports torch: the kernel stays free of CUDA and torch state, and
 only the worker processes load torch.
 
->>> import nbaccel, sys
->>> "torch" in sys.modules and sys.modules.get("nbaccel.launcher.worker") is not None
-False
+>>> import nbaccel
+>>> def world_size():
+...     import torch.distributed as dist
+...     return dist.get_world_size()
+>>> nbaccel.notebook_launcher(world_size, num_processes=2)
+2
 """
 
 from nbaccel.config import Config

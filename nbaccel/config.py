@@ -114,8 +114,7 @@ def check_field_names(names: Any, origin: str = "argument") -> None:
             close = difflib.get_close_matches(str(name), known, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"Unknown config field {name!r} ({origin}).{hint} "
-                f"Valid fields: {', '.join(known)}."
+                f"Unknown config field {name!r} ({origin}).{hint} Valid fields: {', '.join(known)}."
             )
 
 

@@ -34,7 +34,7 @@ def visible_gpu_count(env: Mapping[str, str], proc_root: Path = Path("/proc")) -
 
 def _installed_gpu_count(proc_root: Path) -> int:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
 
         pynvml.nvmlInit()
         try:

@@ -21,7 +21,7 @@ ENV_PREFIX = "NBACCEL_"
 
 @dataclass(frozen=True)
 class Resolved:
-    """A Config plus the source of every value ('default', 'file:<path>', 'env:<VAR>', 'argument')."""
+    """A Config and each value's source: 'default', 'file:<path>', 'env:<VAR>' or 'argument'."""
 
     config: Config
     sources: Mapping[str, str]
@@ -62,11 +62,7 @@ def resolve(
             values[name] = value
             sources[name] = source
 
-    if isinstance(config, Config):
-        take(_set_fields(config), "argument")
-    elif isinstance(config, Mapping):
-        take(config, "argument")
-    elif config is not None:
+    if isinstance(config, (str, Path)):
         path = Path(config)
         take(load_yaml_fields(path), f"file:{path}")
 
@@ -76,6 +72,10 @@ def resolve(
                 values[spec.name] = _parse_or_explain(spec, env[var], f"env:{var}")
                 sources[spec.name] = f"env:{var}"
 
+    if isinstance(config, Config):  # given in code: as explicit as a keyword argument
+        take(_set_fields(config), "argument")
+    elif isinstance(config, Mapping):
+        take(config, "argument")
     take(dict(explicit or {}), "argument")
     try:
         return Resolved(Config(**values), sources)

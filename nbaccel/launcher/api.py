@@ -54,7 +54,9 @@ def launch(
     >>> run.results()
     {0: 5, 1: 5}
     """
-    return _start(function, args, num_processes, kwargs, config, dashboard, overrides, blocking=False)
+    return _start(
+        function, args, num_processes, kwargs, config, dashboard, overrides, blocking=False
+    )
 
 
 def notebook_launcher(
@@ -67,7 +69,7 @@ def notebook_launcher(
     dashboard: str | bool = "auto",
     **overrides: Any,
 ) -> Any:
-    """Run ``function(*args)`` on ``num_processes`` workers, stream their output, return rank 0's value.
+    """Run ``function(*args)`` on every worker, stream their output, return rank 0's value.
 
     A drop-in for ``accelerate.notebook_launcher`` (same first three arguments). A failing
     rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
@@ -114,7 +116,9 @@ def _start(
     run_dir.mkdir(parents=True)
     _write_config(run_dir, resolved)
     run = Run(run_id, run_dir, resolved.config, world_size)
-    run.subscribe(TextPrinter(sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking))
+    run.subscribe(
+        TextPrinter(sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking)
+    )
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with tempfile.TemporaryFile() as payload_file, listener:
@@ -126,16 +130,18 @@ def _start(
         listener.listen(128)
         port = listener.getsockname()[1]
         requests = [
-            {"context": context, "env": worker_env(context, resolved.config, os.environ), "cwd": os.getcwd()}
+            {
+                "context": context,
+                "env": worker_env(context, resolved.config, os.environ),
+                "cwd": os.getcwd(),
+            }
             for context in _contexts(run_id, world_size, port)
         ]
         run.start(helper, requests, payload_file.fileno(), listener.fileno())
     return run
 
 
-def _check_call(
-    function: Any, args: Any, kwargs: Any, dashboard: Any
-) -> None:
+def _check_call(function: Any, args: Any, kwargs: Any, dashboard: Any) -> None:
     if not callable(function):
         raise TypeError(
             f"nbaccel needs a function to run in each worker, got {type(function).__name__} "
@@ -177,7 +183,9 @@ def worker_env(context: ProcessContext, config: Config, base: Mapping[str, str])
     if config.use_cpu or not visible_gpu_count(base):
         env["ACCELERATE_USE_CPU"] = "true"
     # Threads are sized once per worker (torch.set_num_threads reads this in the worker).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // context.local_world_size)))
+    env.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // context.local_world_size))
+    )
     env["PYTHONUNBUFFERED"] = "1"
     if env.get("MPLBACKEND", "").startswith("module://"):
         env["MPLBACKEND"] = "Agg"  # the notebook's inline backend needs a kernel
@@ -187,8 +195,14 @@ def worker_env(context: ProcessContext, config: Config, base: Mapping[str, str])
 def _contexts(run_id: str, world_size: int, port: int) -> list[ProcessContext]:
     return [
         ProcessContext(
-            rank=rank, local_rank=rank, world_size=world_size, local_world_size=world_size,
-            node_rank=0, master_addr="127.0.0.1", master_port=port, run_id=run_id,
+            rank=rank,
+            local_rank=rank,
+            world_size=world_size,
+            local_world_size=world_size,
+            node_rank=0,
+            master_addr="127.0.0.1",
+            master_port=port,
+            run_id=run_id,
         )
         for rank in range(world_size)
     ]

@@ -21,7 +21,9 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+def send(
+    sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()
+) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) > MAX_MESSAGE:
         raise ValueError(

@@ -82,7 +82,9 @@ def _timeout_error(
 ) -> CollectiveTimeout:
     if stuck:
         who = f"rank(s) {', '.join(map(str, stuck))} never joined it"
-        where = "".join(f"\n--- rank {r}, last output (stack dump) ---\n{logs.get(r, '')}" for r in stuck)
+        where = "".join(
+            f"\n--- rank {r}, last output (stack dump) ---\n{logs.get(r, '')}" for r in stuck
+        )
     else:
         who = "every rank timed out: they were waiting in different collectives (a mismatch)"
         where = ""

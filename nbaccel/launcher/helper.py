@@ -39,8 +39,13 @@ class HelperProcess:
         )
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "nbaccel.launcher.helper_main",
-                 str(helper_end.fileno()), str(os.getpid())],
+                [
+                    sys.executable,
+                    "-m",
+                    "nbaccel.launcher.helper_main",
+                    str(helper_end.fileno()),
+                    str(os.getpid()),
+                ],
                 pass_fds=[helper_end.fileno()],
                 env=helper_env,
                 stdin=subprocess.DEVNULL,

@@ -48,7 +48,8 @@ class Helper:
             # Make spares only when idle, one per turn, so requests are never kept waiting.
             idle = len(self.spares) >= self.wanted_spares
             timeout = PARENT_POLL_SECONDS if idle else 0.0
-            ready, _, _ = select.select([self.sock, self.wake_read], [], [], timeout)
+            waitables: list[Any] = [self.sock, self.wake_read]
+            ready, _, _ = select.select(waitables, [], [], timeout)
             if not ready and not idle:
                 self.fork_spare()
                 continue
@@ -74,30 +75,29 @@ class Helper:
     def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
         world_size = message["context"].world_size
         self.wanted_spares = min(MAX_SPARES, max(self.wanted_spares, world_size))
-        while self.spares:
+        pid = self._hand_to_spare(message, fds)
+        for fd in fds:
+            os.close(fd)
+        if pid is None:
+            error = "fork failed: the helper could not start a worker (out of memory or pids?)"
+            self.reply({**_ids(message), "op": "spawn_failed", "error": error})
+            return
+        self.workers[pid] = (message["run"], message["rank"])
+        self.reply({**_ids(message), "op": "spawned", "pid": pid})
+
+    def _hand_to_spare(self, message: dict[str, Any], fds: list[int]) -> int | None:
+        """Send the request to an idle spare (forking one if none is left); its pid or None."""
+        while True:
+            if not self.spares and self.fork_spare(fds_to_close=fds) is None:
+                return None
             pid, channel = self.spares.pop()
             try:
                 control.send(channel, message, fds)
+                return pid
             except OSError:
                 continue  # that spare died; its exit is reaped as an unknown child
             finally:
                 channel.close()
-            break
-        else:
-            pid = self.fork_spare(fds_to_close=fds)
-            if pid is None:
-                for fd in fds:
-                    os.close(fd)
-                self.reply({"op": "spawn_failed", "run": message["run"], "rank": message["rank"],
-                            "error": "fork failed: the helper could not start a worker"})
-                return
-            channel = self.spares.pop()[1]
-            control.send(channel, message, fds)
-            channel.close()
-        for fd in fds:
-            os.close(fd)
-        self.workers[pid] = (message["run"], message["rank"])
-        self.reply({"op": "spawned", "run": message["run"], "rank": message["rank"], "pid": pid})
 
     def fork_spare(self, fds_to_close: list[int] | tuple[int, ...] = ()) -> int | None:
         """Fork an idle child that waits for one spawn request, then becomes that worker."""
@@ -146,8 +146,14 @@ class Helper:
             # The worker led its own process group: take down what it left (DataLoader workers).
             _signal_group(pid, signal.SIGKILL)
             run_id, rank = owner
-            self.reply({"op": "exited", "run": run_id, "rank": rank,
-                        "status": os.waitstatus_to_exitcode(status)})
+            self.reply(
+                {
+                    "op": "exited",
+                    "run": run_id,
+                    "rank": rank,
+                    "status": os.waitstatus_to_exitcode(status),
+                }
+            )
 
     def reply(self, message: dict[str, Any]) -> None:
         try:
@@ -175,6 +181,10 @@ class Helper:
                 os.wait()
             except ChildProcessError:
                 break
+
+
+def _ids(message: dict[str, Any]) -> dict[str, Any]:
+    return {"run": message["run"], "rank": message["rank"]}
 
 
 def _signal_group(pid: int, signum: int) -> None:

@@ -34,7 +34,7 @@ def build_payload(
     """The bytes every worker reads: function, args, kwargs, config, sys.path, cell sources."""
     try:
         body = cloudpickle.dumps((function, tuple(args), dict(kwargs)), protocol=5)
-    except Exception as error:  # noqa: BLE001 - any pickling failure is diagnosed below
+    except Exception as error:
         raise SerializationError(_explain(function, args, kwargs, error)) from error
     return pickle.dumps(
         {
@@ -77,7 +77,7 @@ def _suspects(
     if code is None:
         return
     closure = getattr(function, "__closure__", None) or ()
-    for var, cell in zip(code.co_freevars, closure):
+    for var, cell in zip(code.co_freevars, closure, strict=False):
         try:
             yield f"the closure variable {var!r}", cell.cell_contents
         except ValueError:  # empty cell

@@ -26,7 +26,14 @@ from typing import Any
 from nbaccel.config import Config
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import (
-    Event, FrameDecoder, LogLine, Metric, RankExited, RunEnded, RunStarted, RunState,
+    Event,
+    FrameDecoder,
+    LogLine,
+    Metric,
+    RankExited,
+    RunEnded,
+    RunStarted,
+    RunState,
 )
 from nbaccel.launcher.failures import Failure, build_error, choose_culprit
 from nbaccel.launcher.helper import HelperProcess
@@ -116,7 +123,9 @@ class Run:
     def wait(self, timeout: float | None = None) -> RunState:
         """Block until the run ends; returns its state. TimeoutError if it has not ended."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done.wait(0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))):
+        while not self._done.wait(
+            0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
+        ):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
         return self._state
@@ -137,16 +146,21 @@ class Run:
         return self.wait(timeout)
 
     def logs(self, rank: int = 0) -> str:
-        """Everything rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
+        """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in this run (world size {self.world_size})")
         return render((self.run_dir / f"rank{rank}.log").read_bytes())
 
     def __repr__(self) -> str:
-        return f"<nbaccel.Run {self.run_id} {self._state.value} world_size={self.world_size} run_dir={str(self.run_dir)!r}>"
+        return (
+            f"<nbaccel.Run {self.run_id} {self._state.value} "
+            f"world_size={self.world_size} run_dir={str(self.run_dir)!r}>"
+        )
 
     # ----- start-up (called by the launcher) --------------------------------------
-    def start(self, helper: HelperProcess, requests: list[dict[str, Any]], payload_fd: int, listen_fd: int) -> None:
+    def start(
+        self, helper: HelperProcess, requests: list[dict[str, Any]], payload_fd: int, listen_fd: int
+    ) -> None:
         self._helper = helper
         self._events_file = open(self.run_dir / "events.jsonl", "a", buffering=1)
         helper.subscribe(self.run_id, self._post)
@@ -245,7 +259,9 @@ class Run:
             if r.rank == 0:
                 with self._metrics_lock:
                     self._metrics.append({**message["values"], "step": message["step"]})
-            self._record({"event": "metric", "rank": r.rank, "step": message["step"], **message["values"]})
+            self._record(
+                {"event": "metric", "rank": r.rank, "step": message["step"], **message["values"]}
+            )
             self._emit(event)
         elif kind == "result":
             r.result, r.has_result = message["value"], True
@@ -295,11 +311,17 @@ class Run:
     def _tick(self) -> None:
         now = time.monotonic()
         everyone_exited = all(r.exitcode is not None for r in self._ranks)
-        if self._decide_at is not None and self._culprit is None and (now >= self._decide_at or everyone_exited):
+        if (
+            self._decide_at is not None
+            and self._culprit is None
+            and (now >= self._decide_at or everyone_exited)
+        ):
             self._culprit = choose_culprit(self._failures)
             if self._culprit.cause == "timeout":
                 failed = {f.rank for f in self._failures}
-                self._stuck = [r.rank for r in self._ranks if r.exitcode is None and r.rank not in failed]
+                self._stuck = [
+                    r.rank for r in self._ranks if r.exitcode is None and r.rank not in failed
+                ]
                 self._escalate(HANG_ESCALATION, self._stuck)
             else:
                 self._escalate(FAILURE_ESCALATION, None)
@@ -315,7 +337,11 @@ class Run:
         self._escalation_ranks = ranks
 
     def _select_timeout(self) -> float | None:
-        deadlines = [d for d in (self._decide_at if self._culprit is None else None, self._drain_deadline) if d]
+        deadlines = [
+            d
+            for d in (self._decide_at if self._culprit is None else None, self._drain_deadline)
+            if d
+        ]
         deadlines += [when for when, _ in self._escalation[:1]]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
@@ -323,7 +349,9 @@ class Run:
         if any(r.exitcode is None for r in self._ranks):
             return False
         pipes_open = any(r.log_fd != -1 or r.event_fd != -1 for r in self._ranks)
-        return not pipes_open or (self._drain_deadline is not None and time.monotonic() >= self._drain_deadline)
+        return not pipes_open or (
+            self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
+        )
 
     def _finalize(self) -> None:
         if self._culprit is None and self._failures:
@@ -331,9 +359,11 @@ class Run:
         if self._culprit is not None:
             stuck_logs = {r: "\n".join(self.logs(r).splitlines()[-20:]) for r in self._stuck}
             self._error = build_error(
-                self._culprit, world_size=self.world_size,
+                self._culprit,
+                world_size=self.world_size,
                 collective_timeout=self.config.collective_timeout,
-                stuck_ranks=self._stuck, stuck_logs=stuck_logs,
+                stuck_ranks=self._stuck,
+                stuck_logs=stuck_logs,
             )
             state = RunState.FAILED
         elif self._cancel_requested and not all(r.has_result for r in self._ranks):
@@ -383,7 +413,9 @@ class Run:
             assert self._error is not None
             raise self._error
         if state is RunState.CANCELLED:
-            raise RunCancelled(f"run {self.run_id} was stopped before it finished; it has no result.")
+            raise RunCancelled(
+                f"run {self.run_id} was stopped before it finished; it has no result."
+            )
         if rank not in self._results_cache:
             self._results_cache[rank] = pickle.loads(self._ranks[rank].result or pickle.dumps(None))
         return self._results_cache[rank]

@@ -63,7 +63,9 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     os._exit(code)
 
 
-def _run(context: ProcessContext, events: EventWriter, payload_fd: int, listen_fd: int | None) -> int:
+def _run(
+    context: ProcessContext, events: EventWriter, payload_fd: int, listen_fd: int | None
+) -> int:
     try:
         payload = pickle.loads(_read_all(payload_fd))
         os.close(payload_fd)
@@ -95,9 +97,14 @@ def _start_distributed(context: ProcessContext, config: Config, listen_fd: int |
     if listen_fd is not None:
         # Rank 0 serves the rendezvous store on the socket the parent bound and handed over:
         # no port race, and peers never connect before it listens.
-        _store = dist.TCPStore(
-            context.master_addr, context.master_port, context.world_size, is_master=True,
-            timeout=timeout, multi_tenant=True, master_listen_fd=listen_fd,
+        _store = dist.TCPStore(  # type: ignore[attr-defined]
+            context.master_addr,
+            context.master_port,
+            context.world_size,
+            is_master=True,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=listen_fd,
             wait_for_workers=False,
         )
     if not config.init_process_group:
@@ -148,6 +155,9 @@ def error_message(error: BaseException, rank: int) -> dict[str, Any]:
     }
 
 
+_PEER_FAILURES = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
+
+
 def classify_failure(error: BaseException) -> str:
     """'timeout' and 'peer' mark failures caused by another rank; 'error' is a rank's own.
 
@@ -161,7 +171,7 @@ def classify_failure(error: BaseException) -> str:
     text = str(error).lower()
     if "timed out" in text or "timeout" in text:
         return "timeout"
-    if any(s in text for s in ("closed by peer", "reset by peer", "broken pipe", "connection refused")):
+    if any(s in text for s in _PEER_FAILURES):
         return "peer"
     return "error"
 

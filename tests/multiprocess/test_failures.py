@@ -1,0 +1,157 @@
+"""Every failure ends cleanly, and the error names the rank that failed on its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import nbaccel
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class BadBatchError(Exception):
+    pass
+
+
+def rank1_fails(mode: str) -> float:
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        if mode == "raise":
+            raise BadBatchError("batch 7 has NaNs")
+        if mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "sigsegv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if mode == "exit3":
+            os._exit(3)
+        if mode == "sys.exit":
+            sys.exit(5)
+        if mode == "hang":
+            time.sleep(3600)
+        if mode == "sleep-outside-collectives":
+            raise BadBatchError("rank 1 fails while rank 0 sleeps")
+    if mode == "sleep-outside-collectives":
+        time.sleep(3600)  # not in a collective: nothing but the launcher can stop it
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 waits here for rank 1
+    return float(t.item())
+
+
+def exit_codes(run_dir: Path) -> dict[int, int]:
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    return {e["rank"]: e["exitcode"] for e in events if e["event"] == "exited"}
+
+
+def failed_run(mode: str, runs_dir: str, **config: object) -> nbaccel.Run:
+    run = nbaccel.launch(rank1_fails, args=(mode,), num_processes=2, runs_dir=runs_dir, **config)
+    assert run.wait(timeout=60) is nbaccel.RunState.FAILED
+    return run
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_raise_reports_the_original_type_rank_and_cell_lines(runs_dir: str, attempt: int) -> None:
+    with pytest.raises(BadBatchError) as caught:
+        nbaccel.notebook_launcher(rank1_fails, args=("raise",), num_processes=2, runs_dir=runs_dir)
+    error = caught.value
+    assert str(error) == "[rank 1] batch 7 has NaNs"
+    assert isinstance(error.__cause__, nbaccel.RemoteTraceback)
+    remote = str(error.__cause__)
+    assert "Traceback from rank 1" in remote
+    assert 'raise BadBatchError("batch 7 has NaNs")' in remote  # the source line itself
+    assert "nbaccel/launcher/worker.py" not in remote  # starts in user code
+
+
+def test_other_ranks_are_stopped_within_5_seconds(runs_dir: str) -> None:
+    run = nbaccel.launch(
+        rank1_fails, args=("sleep-outside-collectives",), num_processes=2, runs_dir=runs_dir
+    )
+    assert run.wait(timeout=60) is nbaccel.RunState.FAILED
+    records = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    exits = {r["rank"]: r["time"] for r in records if r["event"] == "exited"}
+    assert exits[0] - exits[1] < 5.0  # rank 0 slept forever: the launcher stopped it
+    assert exit_codes(run.run_dir)[0] == -signal.SIGTERM
+    assert isinstance(run.error, BadBatchError)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_sigkill_names_the_rank_and_hints_at_memory(runs_dir: str, attempt: int) -> None:
+    run = failed_run("sigkill", runs_dir)
+    assert isinstance(run.error, nbaccel.WorkerError)
+    assert run.error.rank == 1 and run.error.signal_name == "SIGKILL"  # not rank 0's cascade
+    assert "out-of-memory" in str(run.error)
+
+
+def test_sigsegv_names_the_signal_and_logs_the_python_stack(runs_dir: str) -> None:
+    run = failed_run("sigsegv", runs_dir)
+    assert isinstance(run.error, nbaccel.WorkerError)
+    assert run.error.rank == 1 and run.error.signal_name == "SIGSEGV"
+    assert "Fatal Python error: Segmentation fault" in run.logs(1)
+    assert "rank1_fails" in run.logs(1)
+
+
+def test_exit_code_is_reported(runs_dir: str) -> None:
+    run = failed_run("exit3", runs_dir)
+    assert isinstance(run.error, nbaccel.WorkerError)
+    assert run.error.rank == 1 and run.error.exitcode == 3
+    assert "exited with code 3" in str(run.error)
+
+
+def test_sys_exit_in_a_worker_does_not_exit_the_parent(runs_dir: str) -> None:
+    run = failed_run("sys.exit", runs_dir)
+    assert type(run.error) is nbaccel.WorkerError
+    assert str(run.error) == "rank 1 called sys.exit(5)"
+
+
+def test_hang_in_a_collective_names_the_stuck_rank(runs_dir: str) -> None:
+    started = time.monotonic()
+    run = failed_run("hang", runs_dir, collective_timeout=2)
+    assert time.monotonic() - started < 30
+    error = run.error
+    assert isinstance(error, nbaccel.CollectiveTimeout)
+    assert error.rank == 0 and error.stuck_ranks == (1,)
+    assert "rank(s) 1 never joined it" in str(error)
+    assert "time.sleep(3600)" in run.logs(1) or "rank1_fails" in str(error)  # stack dump of rank 1
+
+
+def test_unpicklable_return_value_is_explained(runs_dir: str) -> None:
+    def returns_a_lock() -> object:
+        import threading
+
+        return threading.Lock()
+
+    with pytest.raises(TypeError, match=r"value returned on rank \d \(lock\) cannot be pickled"):
+        nbaccel.notebook_launcher(returns_a_lock, num_processes=2, runs_dir=runs_dir)
+
+
+def test_sys_exit_zero_counts_as_success(runs_dir: str) -> None:
+    def leaves_early() -> None:
+        import sys
+
+        sys.exit(0)
+
+    assert nbaccel.notebook_launcher(leaves_early, num_processes=2, runs_dir=runs_dir) is None
+
+
+def test_workers_exit_cleanly_without_sigabrt(runs_dir: str) -> None:
+    def all_reduce_twice() -> None:
+        import torch
+        import torch.distributed as dist
+
+        for _ in range(2):
+            dist.all_reduce(torch.ones(4))
+
+    for _ in range(15):
+        run = nbaccel.launch(all_reduce_twice, num_processes=2, runs_dir=runs_dir)
+        assert run.wait(60) is nbaccel.RunState.SUCCEEDED
+        assert exit_codes(run.run_dir) == {0: 0, 1: 0}

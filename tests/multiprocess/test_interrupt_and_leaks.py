@@ -1,0 +1,144 @@
+"""Interrupts stop the whole tree fast; many launches in a row leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import nbaccel
+from nbaccel.launcher.helper import shared_helper
+
+pytestmark = pytest.mark.timeout(240)
+
+INTERRUPTED_SCRIPT = """
+import os, sys, time, nbaccel
+PIDS = sys.argv[1]
+
+def train():
+    import torch, torch.distributed as dist
+    from torch.utils.data import DataLoader
+    loader = DataLoader(list(range(10_000)), batch_size=1, num_workers=1, persistent_workers=True)
+    batches = iter(loader)
+    next(batches)                                   # the DataLoader worker is up
+    import psutil
+    kids = [p.pid for p in psutil.Process().children(recursive=True)]
+    with open(f"{PIDS}.{dist.get_rank()}.tmp", "w") as f:
+        f.write(" ".join(map(str, [os.getpid(), *kids])))
+    os.rename(f"{PIDS}.{dist.get_rank()}.tmp", f"{PIDS}.{dist.get_rank()}")
+    while True:
+        dist.all_reduce(torch.ones(1))
+        next(batches)
+
+try:
+    nbaccel.notebook_launcher(train, num_processes=2)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+def again():
+    return 42
+print("NEXT", nbaccel.notebook_launcher(again, num_processes=2), flush=True)
+"""
+
+
+def wait_for(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_interrupt_stops_workers_and_grandchildren_within_3s(tmp_path: Path) -> None:
+    pids_prefix = str(tmp_path / "pids")
+    parent = subprocess.Popen(
+        [sys.executable, "-", pids_prefix],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert parent.stdin is not None
+    parent.stdin.write(textwrap.dedent(INTERRUPTED_SCRIPT))
+    parent.stdin.close()
+    try:
+        wait_for(lambda: all(os.path.exists(f"{pids_prefix}.{r}") for r in (0, 1)), 60, "pid files")
+        pids = [int(p) for r in (0, 1) for p in Path(f"{pids_prefix}.{r}").read_text().split()]
+        assert len(pids) >= 4  # two workers and at least one DataLoader worker each
+        assert all(alive(pid) for pid in pids)
+        parent.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        wait_for(
+            lambda: not any(alive(pid) for pid in pids), 3.0, "workers and grandchildren to die"
+        )
+        assert time.monotonic() - interrupted < 3.0
+        parent.wait(timeout=60)  # its output is small: the pipes cannot fill up
+        assert parent.stdout is not None and parent.stderr is not None
+        out, err = parent.stdout.read(), parent.stderr.read()
+    finally:
+        parent.kill()
+    assert "INTERRUPTED" in out, err
+    assert "NEXT 42" in out, err
+
+
+def outcome(kind: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        if kind == "raise":
+            raise ValueError("planned")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "exit":
+            os._exit(2)
+    dist.all_reduce(torch.ones(1))
+    return 1
+
+
+def descendants_state() -> tuple[int, list[psutil.Process]]:
+    helper = psutil.Process(shared_helper().pid)
+    return helper.pid, helper.children(recursive=True)
+
+
+def test_twenty_launches_leave_no_process_thread_fd_or_port(runs_dir: str) -> None:
+    me = psutil.Process()
+    nbaccel.notebook_launcher(outcome, args=("ok",), num_processes=2, runs_dir=runs_dir)  # warm
+    fds, threads = me.num_fds(), threading.active_count()
+    kinds = ["ok", "raise", "ok", "kill", "exit"] * 4
+    for kind in kinds:
+        run = nbaccel.launch(outcome, args=(kind,), num_processes=2, runs_dir=runs_dir)
+        expected = nbaccel.RunState.SUCCEEDED if kind == "ok" else nbaccel.RunState.FAILED
+        assert run.wait(60) is expected, run.error
+    assert me.num_fds() == fds
+    assert threading.active_count() == threads
+    helper_pid, descendants = descendants_state()
+    helper_session = os.getsid(helper_pid)
+    for process in descendants:  # only idle spares remain: still in the helper's session
+        assert process.ppid() == helper_pid
+        assert os.getsid(process.pid) == helper_session, process
+        assert process.status() != psutil.STATUS_ZOMBIE
+    assert len(descendants) <= 16
+    listening = [
+        c
+        for p in [me, psutil.Process(helper_pid), *descendants]
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening == []
+    assert len(list(Path(runs_dir).iterdir())) == 21

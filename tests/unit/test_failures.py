@@ -1,0 +1,129 @@
+"""Blame the rank that failed on its own, and rebuild the error the user expects."""
+
+from __future__ import annotations
+
+import pickle
+import signal
+
+import pytest
+
+from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
+from nbaccel.launcher.failures import Failure, build_error, choose_culprit
+
+
+class CellError(Exception):
+    """Stands in for an exception class defined in a notebook cell."""
+
+
+def report(
+    error: BaseException, rank: int = 1, cause: str = "error", module: str | None = None
+) -> dict:
+    type_name = f"{module or type(error).__module__}.{type(error).__qualname__}"
+    return {
+        "kind": "error",
+        "rank": rank,
+        "type": type_name,
+        "message": str(error),
+        "traceback": f'  File "cell-3", line 4, in train\n    raise {type(error).__name__}\n',
+        "exception": pickle.dumps(error),
+        "cause": cause,
+        "time": 0.0,
+    }
+
+
+def test_own_error_beats_earlier_peer_failures() -> None:
+    peer = Failure(rank=0, cause="peer", time=1.0)
+    timeout = Failure(rank=2, cause="timeout", time=1.5)
+    own = Failure(rank=1, cause="error", time=2.0)
+    assert choose_culprit([peer, timeout, own]) is own
+    assert choose_culprit([timeout, peer]) is timeout
+
+
+def test_earliest_own_failure_wins() -> None:
+    late = Failure(rank=0, cause="error", time=5.0)
+    killed = Failure(rank=3, cause="exit", time=4.0, exitcode=-9)
+    assert choose_culprit([late, killed]) is killed
+
+
+def test_original_exception_type_comes_back_with_rank_and_traceback() -> None:
+    error = build_error(
+        Failure(1, "error", 0.0, report=report(CellError("bad batch"))),
+        world_size=2,
+        collective_timeout=30,
+    )
+    assert type(error) is CellError
+    assert str(error) == "[rank 1] bad batch"
+    assert error.rank == 1  # type: ignore[attr-defined]
+    assert isinstance(error.__cause__, RemoteTraceback)
+    assert "Traceback from rank 1" in str(error.__cause__)
+    assert 'File "cell-3", line 4, in train' in str(error.__cause__)
+    assert any("rank 1 of 2" in note for note in getattr(error, "__notes__", ["rank 1 of 2"]))
+
+
+def test_exception_from_an_unloaded_module_becomes_worker_error() -> None:
+    # A torch error must not import torch into the kernel: it is described, not unpickled.
+    rep = report(RuntimeError("gloo exploded"), module="torch.distributed")
+    rep["type"] = "torch.distributed.DistBackendError"
+    error = build_error(Failure(0, "error", 0.0, report=rep), world_size=2, collective_timeout=1)
+    assert type(error) is WorkerError
+    assert error.rank == 0
+    assert error.exc_type == "torch.distributed.DistBackendError"
+    assert "rank 0 raised torch.distributed.DistBackendError: gloo exploded" in str(error)
+
+
+def test_unpicklable_exception_becomes_worker_error() -> None:
+    rep = report(ValueError("x"))
+    rep["exception"] = None
+    error = build_error(Failure(1, "error", 0.0, report=rep), world_size=2, collective_timeout=1)
+    assert type(error) is WorkerError and "builtins.ValueError: x" in str(error)
+
+
+@pytest.mark.parametrize("base", [SystemExit(4), KeyboardInterrupt()])
+def test_base_exceptions_are_never_reraised_in_the_parent(base: BaseException) -> None:
+    error = build_error(
+        Failure(1, "error", 0.0, report=report(base)), world_size=2, collective_timeout=1
+    )
+    assert type(error) is WorkerError
+    if isinstance(base, SystemExit):
+        assert str(error) == "rank 1 called sys.exit(4)"
+
+
+def test_timeout_names_the_stuck_ranks_and_shows_their_stacks() -> None:
+    rep = report(RuntimeError("Timed out waiting 3000ms"), rank=0, cause="timeout")
+    error = build_error(
+        Failure(0, "timeout", 0.0, report=rep),
+        world_size=3,
+        collective_timeout=3,
+        stuck_ranks=[1, 2],
+        stuck_logs={1: 'File "cell", line 9 in train', 2: "sleep"},
+    )
+    assert isinstance(error, CollectiveTimeout)
+    assert error.stuck_ranks == (1, 2)
+    assert "rank(s) 1, 2 never joined it" in str(error)
+    assert 'File "cell", line 9 in train' in str(error)
+
+
+def test_timeout_without_stuck_ranks_reports_a_mismatch() -> None:
+    rep = report(RuntimeError("Timed out"), rank=0, cause="timeout")
+    error = build_error(Failure(0, "timeout", 0.0, report=rep), world_size=2, collective_timeout=3)
+    assert "different collectives" in str(error)
+
+
+def test_deaths_by_signal_and_exit_code() -> None:
+    killed = build_error(
+        Failure(1, "exit", 0.0, exitcode=-signal.SIGKILL), world_size=2, collective_timeout=1
+    )
+    assert isinstance(killed, WorkerError) and killed.signal_name == "SIGKILL"
+    assert "out-of-memory" in str(killed)
+    segv = describe_exit(0, -signal.SIGSEGV)
+    assert "SIGSEGV" in str(segv) and "run.logs(0)" in str(segv)
+    code = describe_exit(1, 3)
+    assert code.exitcode == 3 and "exited with code 3" in str(code)
+
+
+def test_launcher_side_error_is_passed_through() -> None:
+    boom = RuntimeError("helper died")
+    assert (
+        build_error(Failure(0, "error", 0.0, error=boom), world_size=2, collective_timeout=1)
+        is boom
+    )

@@ -1,0 +1,53 @@
+"""Text output: rank 0 bare, other ranks labelled, progress bars redrawn in place."""
+
+from __future__ import annotations
+
+import io
+
+from nbaccel.errors import WorkerError
+from nbaccel.events import LogLine, RunEnded, RunState
+from nbaccel.launcher.printer import TextPrinter
+
+
+def line(rank: int, text: str, replace: bool = False, partial: bool = False) -> LogLine:
+    return LogLine(rank, text, replace, partial, 0.0)
+
+
+def test_only_shown_ranks_and_labels() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, frozenset({0}), announce_end=False)
+    printer(line(0, "hello"))
+    printer(line(1, "hidden"))
+    assert out.getvalue() == "hello\n"
+    out = io.StringIO()
+    printer = TextPrinter(out, None, announce_end=False)
+    printer(line(0, "a"))
+    printer(line(1, "b"))
+    assert out.getvalue() == "a\n[rank 1] b\n"
+
+
+def test_progress_bar_is_redrawn_and_closed() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, None, announce_end=False)
+    printer(line(0, " 10%", partial=True))
+    printer(line(0, " 50%", replace=True, partial=True))
+    printer(line(0, "100%", replace=True))
+    printer(line(0, "done"))
+    assert out.getvalue() == " 10%\r 50%\r100%\ndone\n"
+
+
+def test_another_rank_breaks_an_open_progress_line() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, None, announce_end=False)
+    printer(line(0, " 10%", partial=True))
+    printer(line(1, "warning"))
+    printer(line(0, " 20%", replace=True, partial=True))
+    printer(RunEnded(RunState.SUCCEEDED, None, 1.0, 0.0))
+    assert out.getvalue() == " 10%\n[rank 1] warning\n 20%\n"
+
+
+def test_background_runs_announce_their_failure() -> None:
+    out = io.StringIO()
+    printer = TextPrinter(out, frozenset({0}), announce_end=True)
+    printer(RunEnded(RunState.FAILED, WorkerError("rank 1 was killed", rank=1), 1.0, 0.0))
+    assert out.getvalue() == "nbaccel: run failed: rank 1 was killed\n"
