@@ -183,6 +183,11 @@ class Run:
         except BaseException:
             for fd in child_fds:
                 os.close(fd)
+            if self._ranks:  # some workers may already run: take them down with us
+                try:
+                    helper.signal(self.run_id, signal.SIGKILL)
+                except HelperError:
+                    pass  # the helper is gone, and its workers die with it
             self._close_everything()
             raise
         self._state = RunState.RUNNING
@@ -373,10 +378,8 @@ class Run:
         for r in self._ranks:
             if r.log_fd != -1:
                 self._emit_lines(r, r.splitter.close())
-        self._close_everything()
         self._record({"event": "ended", "state": state.value})
-        if self._events_file is not None:
-            self._events_file.close()
+        self._close_everything()
         self._state = state
         self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
         self._done.set()
@@ -390,6 +393,9 @@ class Run:
                     os.close(fd)
             r.log_fd = r.event_fd = -1
             r.log_file.close()
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None
         with self._wake_lock:
             os.close(self._wake_read)
             os.close(self._wake_write)
@@ -411,7 +417,7 @@ class Run:
         state = self.wait(timeout)
         if state is RunState.FAILED:
             assert self._error is not None
-            raise self._error
+            raise self._error.with_traceback(None)  # fresh each time: tracebacks would pile up
         if state is RunState.CANCELLED:
             raise RunCancelled(
                 f"run {self.run_id} was stopped before it finished; it has no result."
