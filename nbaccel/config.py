@@ -1,39 +1,104 @@
-"""The one configuration schema behind the launcher, YAML files, the CLI and the widgets.
+"""The one configuration schema behind the launcher, YAML files, the CLI, the wizard and widgets.
 
-Each field carries its help text, its valid choices and the environment variables that set
-it (``NBACCEL_<NAME>``, plus Hugging Face Accelerate's name where one exists) in its
-``dataclasses.field`` metadata, so every face of the config is generated from here.
-Plain data, stdlib only.
+``Config`` is a frozen dataclass with two nested sections (``fsdp``, ``deepspeed``). Every
+leaf field carries its help text, choices, lower bound and Accelerate's environment name in
+its metadata; ``options()`` flattens them into ``Option`` records (dotted ``path``, flat
+``name`` used by env vars, CLI flags and keyword arguments), so each face of the config is
+generated from here and a field added once appears everywhere. Plain data, stdlib only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.errors import ConfigError
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
+STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed", "xla")
+TRACKERS = ("tensorboard", "csv", "jsonl", "wandb", "mlflow")
+DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "cudagraphs")
 
 
 def _option(
     default: Any,
     help: str,
     *,
-    choices: tuple[str, ...] | None = None,
+    choices: tuple[Any, ...] | None = None,
     accelerate_env: str | None = None,
     minimum: float | None = None,
 ) -> Any:
-    return field(
-        default=default,
-        metadata={
-            "help": help,
-            "choices": choices,
-            "accelerate_env": accelerate_env,
-            "minimum": minimum,
-        },
+    meta = {"help": help, "choices": choices, "accelerate_env": accelerate_env, "minimum": minimum}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """Fully Sharded Data Parallel (PyTorch's ``fully_shard``), used when strategy is fsdp."""
+
+    sharding_strategy: str = _option(
+        "FULL_SHARD",
+        "What is sharded: FULL_SHARD (params, grads, optimizer state: ZeRO-3), SHARD_GRAD_OP "
+        "(grads and optimizer state: ZeRO-2), NO_SHARD (plain DDP), HYBRID_SHARD (full "
+        "shard within a machine, replicate across machines).",
+        choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+    )
+    cpu_offload: bool = _option(False, "Keep sharded parameters in CPU memory between uses.")
+    auto_wrap_policy: str = _option(
+        "TRANSFORMER_BASED_WRAP",
+        "Which submodules become their own shard unit: by transformer layer class, by size, "
+        "or none (the whole model is one unit).",
+        choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
+    )
+    transformer_layer_cls: str = _option(
+        "",
+        "Comma list of layer class names to wrap (e.g. 'LlamaDecoderLayer'); empty: the "
+        "model's _no_split_modules.",
+    )
+    min_num_params: int = _option(
+        100_000_000, "Smallest submodule (in parameters) wrapped by SIZE_BASED_WRAP.", minimum=0
+    )
+    activation_checkpointing: bool = _option(
+        False, "Recompute each wrapped block's activations in backward to save memory."
+    )
+    state_dict_type: str = _option(
+        "SHARDED_STATE_DICT",
+        "How save_state writes the model: each rank its shards, or one full state dict.",
+        choices=("SHARDED_STATE_DICT", "FULL_STATE_DICT"),
+    )
+
+
+@dataclass(frozen=True)
+class DeepSpeedOptions:
+    """DeepSpeed ZeRO (an optional extra, CUDA only), used when strategy is deepspeed."""
+
+    zero_stage: int = _option(
+        2,
+        "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.",
+        choices=(0, 1, 2, 3),
+        accelerate_env="ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    )
+    offload_optimizer_device: str = _option(
+        "none",
+        "Where ZeRO keeps optimizer state: none (GPU), cpu or nvme.",
+        choices=("none", "cpu", "nvme"),
+        accelerate_env="ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    )
+    offload_param_device: str = _option(
+        "none",
+        "Where ZeRO-3 keeps parameters: none (GPU), cpu or nvme.",
+        choices=("none", "cpu", "nvme"),
+        accelerate_env="ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    )
+    config_file: str = _option(
+        "",
+        "A DeepSpeed JSON config; 'auto' values in it are filled from this run.",
+        accelerate_env="ACCELERATE_DEEPSPEED_CONFIG_FILE",
     )
 
 
@@ -51,8 +116,25 @@ class Config:
 
     num_processes: int | None = _option(
         None,
-        "Worker processes on this machine. Default: one per visible GPU, else 1.",
+        "Worker processes per machine. Default: one per visible GPU, else 1.",
         minimum=1,
+    )
+    num_machines: int = _option(
+        1, "Machines taking part (multi-node via nbaccel launch).", minimum=1
+    )
+    machine_rank: int = _option(0, "This machine's rank, 0 .. num_machines-1.", minimum=0)
+    main_process_ip: str = _option(
+        "127.0.0.1", "Address of machine 0 (its rendezvous store), reachable from every machine."
+    )
+    main_process_port: int | None = _option(
+        None,
+        "Rendezvous port on machine 0. Default: a free port on one machine, 29500 on several.",
+        minimum=1,
+    )
+    use_cpu: bool = _option(
+        False,
+        "Run CPU processes (gloo) even when GPUs are present.",
+        accelerate_env="ACCELERATE_USE_CPU",
     )
     mixed_precision: str = _option(
         "no",
@@ -66,10 +148,35 @@ class Config:
         accelerate_env="ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
         minimum=1,
     )
-    use_cpu: bool = _option(
-        False,
-        "Run on CPU processes (gloo) even when GPUs are present.",
-        accelerate_env="ACCELERATE_USE_CPU",
+    max_grad_norm: float | None = _option(
+        None,
+        "Clip the gradient norm to this value before each step (none: no clipping).",
+        accelerate_env="ACCELERATE_GRADIENT_CLIPPING",
+        minimum=0.0,
+    )
+    strategy: str = _option(
+        "auto",
+        "How the model is distributed: auto (DDP with several processes, XLA on TPUs), ddp, "
+        "fsdp, deepspeed or xla.",
+        choices=STRATEGIES,
+    )
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions, metadata={"help": FSDPOptions.__doc__})
+    deepspeed: DeepSpeedOptions = field(
+        default_factory=DeepSpeedOptions, metadata={"help": DeepSpeedOptions.__doc__}
+    )
+    dynamo_backend: str = _option(
+        "no",
+        "torch.compile the model in prepare() with this backend (no: eager).",
+        choices=DYNAMO_BACKENDS,
+    )
+    log_with: tuple[str, ...] = _option(
+        (),
+        "Experiment trackers fed by Accelerator.log (comma list): tensorboard, csv, jsonl, "
+        "wandb, mlflow.",
+        choices=TRACKERS,
+    )
+    project_dir: str = _option(
+        "", "Folder for trackers' files and checkpoints. Default: the run's run_dir."
     )
     init_process_group: bool = _option(
         True,
@@ -79,6 +186,11 @@ class Config:
     collective_timeout: float = _option(
         1800.0,
         "Seconds a rank may wait in a collective before the run fails, naming the stuck ranks.",
+        minimum=0.001,
+    )
+    rdzv_timeout: float = _option(
+        900.0,
+        "Seconds to wait for every machine to join the rendezvous (multi-node).",
         minimum=0.001,
     )
     log_ranks: str = _option(
@@ -91,30 +203,107 @@ class Config:
     )
 
     def __post_init__(self) -> None:
-        for spec in dataclasses.fields(self):
-            _check_value(spec, getattr(self, spec.name))
+        for opt in options():
+            _check_value(opt, opt.get(self))
         shown_ranks(self.log_ranks)  # raises ConfigError when malformed
+        _check_consistency(self)
 
     def replace(self, **changes: Any) -> Config:
-        """Return a copy with some fields changed (validated like the original)."""
-        check_field_names(changes)
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed, by flat name (``fsdp_cpu_offload=True`` works)."""
+        check_names(changes, "argument")
+        return from_flat({**flatten(self), **changes})
 
 
-def field_specs() -> tuple[dataclasses.Field[Any], ...]:
-    """The schema's fields, in declaration order (what every config face iterates over)."""
-    return dataclasses.fields(Config)
+@dataclass(frozen=True)
+class Option:
+    """One leaf field of the schema, as every config face sees it."""
+
+    path: str  # "fsdp.cpu_offload": YAML nesting and `config show`
+    name: str  # "fsdp_cpu_offload": env (NBACCEL_FSDP_CPU_OFFLOAD), CLI flag, keyword
+    kind: type  # int, float, bool, str, or tuple (a comma list of str)
+    optional: bool  # None is allowed
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None
+    minimum: float | None
+    accelerate_env: str | None
+
+    def get(self, config: Config) -> Any:
+        value: Any = config
+        for part in self.path.split("."):
+            value = getattr(value, part)
+        return value
 
 
-def check_field_names(names: Any, origin: str = "argument") -> None:
-    """Raise ConfigError for any name that is not a Config field, with a did-you-mean."""
-    known = [spec.name for spec in field_specs()]
+@functools.cache
+def options() -> tuple[Option, ...]:
+    """Every leaf field, in schema order (sections in place)."""
+    found: list[Option] = []
+    for spec, hint in _fields_with_types(Config):
+        if dataclasses.is_dataclass(hint):
+            section = spec.name
+            for sub, sub_hint in _fields_with_types(hint):  # type: ignore[arg-type]
+                found.append(_make_option(sub, sub_hint, f"{section}.{sub.name}"))
+        else:
+            found.append(_make_option(spec, hint, spec.name))
+    return tuple(found)
+
+
+def option(name: str) -> Option:
+    """The option with this flat name or dotted path."""
+    for opt in options():
+        if name in (opt.name, opt.path):
+            return opt
+    check_names([name], "argument")
+    raise AssertionError("unreachable")
+
+
+def sections() -> dict[str, str]:
+    """Nested section names and their descriptions."""
+    return {
+        spec.name: spec.metadata["help"]
+        for spec, hint in _fields_with_types(Config)
+        if dataclasses.is_dataclass(hint)
+    }
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """``{flat name: value}`` for every option."""
+    return {opt.name: opt.get(config) for opt in options()}
+
+
+def from_flat(values: Mapping[str, Any]) -> Config:
+    """Build a Config from ``{flat name or dotted path: value}`` (missing ones: defaults)."""
+    check_names(values, "argument")
+    nested: dict[str, Any] = {}
+    section_values: dict[str, dict[str, Any]] = {name: {} for name in sections()}
+    for key, value in values.items():
+        opt = option(key)
+        if isinstance(value, list) and opt.kind is tuple:
+            value = tuple(value)
+        if "." in opt.path:
+            section, leaf = opt.path.split(".")
+            section_values[section][leaf] = value
+        else:
+            nested[opt.path] = value
+    hints = dict(_fields_with_types(Config))
+    for section, fields in section_values.items():
+        section_type = next(h for s, h in hints.items() if s.name == section)
+        nested[section] = section_type(**fields)
+    return Config(**nested)
+
+
+def check_names(names: Iterable[Any], origin: str) -> None:
+    """Raise ConfigError for a name that is no option, with a did-you-mean."""
+    known = [opt.name for opt in options()] + [opt.path for opt in options() if "." in opt.path]
     for name in names:
         if name not in known:
             close = difflib.get_close_matches(str(name), known, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"Unknown config field {name!r} ({origin}).{hint} Valid fields: {', '.join(known)}."
+                f"Unknown config field {name!r} ({origin}).{hint} "
+                f"Valid fields: {', '.join(opt.name for opt in options())}.",
+                field=str(name),
             )
 
 
@@ -142,53 +331,105 @@ def shown_ranks(log_ranks: str) -> frozenset[int] | None:
     return ranks
 
 
-def _check_value(spec: dataclasses.Field[Any], value: Any) -> None:
-    name, meta = spec.name, spec.metadata
-    expected = _python_type(spec)
-    if value is None and "None" in str(spec.type):
-        return
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if type(value) is not expected:
-        raise ConfigError(
-            f"{name} must be {expected.__name__}, got {value!r} ({type(value).__name__}).",
-            field=name,
-        )
-    choices = meta.get("choices")
-    if choices and value not in choices:
-        listed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(f"{name}={value!r} is not one of {listed}.", field=name)
-    minimum = meta.get("minimum")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum:g}, got {value!r}.", field=name)
+def parse_text(opt: Option, text: str) -> Any:
+    """Convert text from an environment variable, a CLI flag or the wizard to the field's type.
 
-
-def _python_type(spec: dataclasses.Field[Any]) -> type:
-    """The scalar type of a field (``int | None`` -> int). Annotations are strings here."""
-    text = str(spec.type).replace("None", "").replace("|", "").strip()
-    return {"int": int, "float": float, "bool": bool, "str": str}[text]
-
-
-def parse_text(spec: dataclasses.Field[Any], text: str) -> Any:
-    """Convert a string from an environment variable or a CLI flag to the field's type.
-
-    >>> parse_text(field_specs()[0], "4")
-    4
+    >>> parse_text(option("num_processes"), "4"), parse_text(option("log_with"), "csv, jsonl")
+    (4, ('csv', 'jsonl'))
     """
-    kind = _python_type(spec)
     stripped = text.strip()
-    if "None" in str(spec.type) and stripped.lower() in ("", "none", "auto"):
+    if opt.optional and stripped.lower() in ("", "none", "auto", "null"):
         return None
-    if kind is bool:
+    if opt.kind is bool:
         lowered = stripped.lower()
-        if lowered in ("1", "true", "yes", "on"):
+        if lowered in ("1", "true", "yes", "on", "y"):
             return True
-        if lowered in ("0", "false", "no", "off"):
+        if lowered in ("0", "false", "no", "off", "n"):
             return False
-        raise ConfigError(f"{spec.name}={text!r} is not a boolean (true/false, 1/0, yes/no).")
-    if kind in (int, float):
+        raise ConfigError(
+            f"{opt.name}={text!r} is not a boolean (true/false, yes/no, 1/0).", field=opt.name
+        )
+    if opt.kind is tuple:
+        return tuple(part.strip() for part in stripped.split(",") if part.strip())
+    if opt.kind in (int, float):
         try:
-            return kind(stripped)
+            return opt.kind(stripped)
         except ValueError:
-            raise ConfigError(f"{spec.name}={text!r} is not a valid {kind.__name__}.") from None
+            raise ConfigError(
+                f"{opt.name}={text!r} is not a valid {opt.kind.__name__}.", field=opt.name
+            ) from None
     return stripped
+
+
+def _check_value(opt: Option, value: Any) -> None:
+    if value is None and opt.optional:
+        return
+    if opt.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not _exactly(value, opt.kind):  # exact: a bool is no int here, a str no list
+        raise ConfigError(
+            f"{opt.name} must be {_kind_name(opt)}, got {value!r} ({type(value).__name__}).",
+            field=opt.name,
+        )
+    items = value if opt.kind is tuple else (value,)
+    for item in items:
+        if opt.choices and item not in opt.choices:
+            listed = ", ".join(repr(c) for c in opt.choices)
+            shown = f"{opt.name} entry {item!r}" if opt.kind is tuple else f"{opt.name}={item!r}"
+            raise ConfigError(f"{shown} is not one of {listed}.", field=opt.name)
+    if opt.minimum is not None and value < opt.minimum:
+        raise ConfigError(f"{opt.name} must be >= {opt.minimum:g}, got {value!r}.", field=opt.name)
+
+
+def _check_consistency(config: Config) -> None:
+    """Settings that contradict each other, whatever the machine."""
+    if config.machine_rank >= config.num_machines:
+        raise ConfigError(
+            f"machine_rank={config.machine_rank} but num_machines={config.num_machines}: "
+            f"machine ranks go from 0 to {config.num_machines - 1}.",
+            field="machine_rank",
+        )
+    if config.strategy == "deepspeed" and config.use_cpu:
+        raise ConfigError(
+            "strategy='deepspeed' needs CUDA GPUs, but use_cpu=True. Use strategy='fsdp' "
+            "(which runs on CPU) or turn use_cpu off.",
+            field="strategy",
+        )
+    if config.strategy == "xla" and config.use_cpu:
+        raise ConfigError(
+            "strategy='xla' runs on TPUs; use_cpu=True asks for CPU processes. Choose one.",
+            field="strategy",
+        )
+
+
+def _exactly(value: Any, kind: type) -> bool:
+    return type(value) is kind
+
+
+def _kind_name(opt: Option) -> str:
+    name = "comma list" if opt.kind is tuple else opt.kind.__name__
+    return f"{name} or None" if opt.optional else name
+
+
+def _fields_with_types(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(cls)
+    return [(spec, hints[spec.name]) for spec in dataclasses.fields(cls)]
+
+
+def _make_option(spec: dataclasses.Field[Any], hint: Any, path: str) -> Option:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    kind = tuple if (origin is tuple or hint is tuple) else (args[0] if optional else hint)
+    meta = spec.metadata
+    return Option(
+        path=path,
+        name=path.replace(".", "_"),
+        kind=kind,
+        optional=optional,
+        default=spec.default,
+        help=meta["help"],
+        choices=meta.get("choices"),
+        minimum=meta.get("minimum"),
+        accelerate_env=meta.get("accelerate_env"),
+    )

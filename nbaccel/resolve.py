@@ -1,41 +1,62 @@
 """Merge configuration sources into one validated Config, recording where each value came from.
 
-Precedence, lowest first: built-in defaults < config file < environment (``NBACCEL_<FIELD>``,
-then Accelerate's ``ACCELERATE_*`` names as aliases) < explicit arguments. ``resolve`` is a
-pure function of its inputs: the environment is passed in as a mapping, never read here.
+Precedence, lowest first: built-in defaults < the default config file (nbaccel's, else the
+user's Accelerate default) < a config file named by argument or ``NBACCEL_CONFIG`` <
+environment (``NBACCEL_<FIELD>``, then Accelerate's ``ACCELERATE_*`` names as aliases) <
+values given in code (a Config or mapping, then keyword arguments). ``resolve`` is a pure
+function of its inputs: the environment is passed in as a mapping, never read here, and it
+is the only reader of these variables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbaccel.config import Config, check_field_names, field_specs, parse_text
+from nbaccel.config import (
+    Config,
+    Option,
+    check_names,
+    flatten,
+    from_flat,
+    option,
+    options,
+    parse_text,
+    sections,
+)
+from nbaccel.config_files import default_file, load_file
 from nbaccel.errors import ConfigError
 
 ENV_PREFIX = "NBACCEL_"
+NON_OPTION_VARS = frozenset({"NBACCEL_CONFIG", "NBACCEL_HOME"})
 
 
 @dataclass(frozen=True)
 class Resolved:
-    """A Config and each value's source: 'default', 'file:<path>', 'env:<VAR>' or 'argument'."""
+    """A Config and each option's source, by flat name.
+
+    Sources: 'default', 'file:<path>', 'env:<VAR>' or 'argument'.
+    """
 
     config: Config
     sources: Mapping[str, str]
 
 
-def env_names(name: str) -> tuple[str, ...]:
-    """Environment variables that set a field, highest priority first.
+def env_names(opt: Option | str) -> tuple[str, ...]:
+    """Environment variables that set an option, highest priority first.
 
     >>> env_names("mixed_precision")
     ('NBACCEL_MIXED_PRECISION', 'ACCELERATE_MIXED_PRECISION')
+    >>> env_names("fsdp.cpu_offload")
+    ('NBACCEL_FSDP_CPU_OFFLOAD',)
     """
-    spec = next(spec for spec in field_specs() if spec.name == name)
-    alias = spec.metadata.get("accelerate_env")
-    return (ENV_PREFIX + name.upper(),) + ((alias,) if alias else ())
+    opt = option(opt) if isinstance(opt, str) else opt
+    alias = (opt.accelerate_env,) if opt.accelerate_env else ()
+    return (ENV_PREFIX + opt.name.upper(), *alias)
 
 
 def resolve(
@@ -43,76 +64,86 @@ def resolve(
     *,
     env: Mapping[str, str],
     config: Config | Mapping[str, Any] | str | Path | None = None,
+    use_default_file: bool = True,
 ) -> Resolved:
     """Build the run's Config from every source, failing early with the source of a bad value.
 
-    ``config`` is a Config (its values count as explicit), a mapping of fields, or the path of
-    a YAML file with ``field: value`` lines.
+    ``config`` is a Config or mapping (given in code), or the path of a YAML file.
 
     >>> r = resolve({"num_processes": 2}, env={"NBACCEL_MIXED_PRECISION": "bf16"})
     >>> r.config.num_processes, r.config.mixed_precision, r.sources["mixed_precision"]
     (2, 'bf16', 'env:NBACCEL_MIXED_PRECISION')
     """
     values: dict[str, Any] = {}
-    sources = {spec.name: "default" for spec in field_specs()}
+    sources = {opt.name: "default" for opt in options()}
 
     def take(layer: Mapping[str, Any], source: str) -> None:
-        check_field_names(layer, source)
-        for name, value in layer.items():
+        layer = _expand_sections(layer)
+        check_names(layer, source)
+        for key, value in layer.items():
+            name = option(key).name
             values[name] = value
             sources[name] = source
 
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        take(load_yaml_fields(path), f"file:{path}")
-
-    for spec in field_specs():
-        for var in reversed(env_names(spec.name)):  # the NBACCEL_ name wins over the alias
-            if var in env:
-                values[spec.name] = _parse_or_explain(spec, env[var], f"env:{var}")
-                sources[spec.name] = f"env:{var}"
-
+    if use_default_file and (path := default_file(env)) is not None:
+        take(load_file(path), f"file:{path}")
+    named = config if isinstance(config, (str, Path)) else env.get("NBACCEL_CONFIG")
+    if named:
+        take(load_file(Path(named)), f"file:{named}")
+    env_values, env_sources = _env_layer(env)
+    values.update(env_values)
+    sources.update(env_sources)
     if isinstance(config, Config):  # given in code: as explicit as a keyword argument
         take(_set_fields(config), "argument")
     elif isinstance(config, Mapping):
         take(config, "argument")
     take(dict(explicit or {}), "argument")
     try:
-        return Resolved(Config(**values), sources)
+        return Resolved(from_flat(values), sources)
     except ConfigError as error:
-        where = f" (from {sources[error.field]})" if error.field in sources else ""
+        name = error.field if error.field in sources else None
+        where = f" (from {sources[name]})" if name else ""
         raise ConfigError(f"{error}{where}", field=error.field) from None
 
 
-def load_yaml_fields(path: Path) -> dict[str, Any]:
-    """Read a YAML config file into a field mapping, with errors that name the file."""
-    import yaml  # deferred: only config files need it
+def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    known = {var: opt for opt in options() for var in env_names(opt)}
+    for var in env:
+        if var.startswith(ENV_PREFIX) and var not in known and var not in NON_OPTION_VARS:
+            close = difflib.get_close_matches(var, list(known), n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"Unknown environment variable {var}.{hint}", field=var)
+    layer: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in options():
+        for var in reversed(env_names(opt)):  # the NBACCEL_ name wins over the alias
+            if var in env:
+                try:
+                    layer[opt.name] = parse_text(opt, env[var])
+                except ConfigError as error:
+                    raise ConfigError(f"{error} (from env:{var})", field=opt.name) from None
+                sources[opt.name] = f"env:{var}"
+    return layer, sources
 
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ConfigError(f"Cannot read config file {path}: {error.strerror}.") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"Config file {path} is not valid YAML: {error}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"Config file {path} must hold a mapping of field: value lines.")
-    return data
 
-
-def _parse_or_explain(spec: dataclasses.Field[Any], text: str, source: str) -> Any:
-    try:
-        return parse_text(spec, text)
-    except ConfigError as error:
-        raise ConfigError(f"{error} (from {source})") from None
+def _expand_sections(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """Accept ``fsdp={"cpu_offload": True}`` or ``fsdp=FSDPOptions(...)`` beside flat names."""
+    expanded: dict[str, Any] = {}
+    for key, value in layer.items():
+        if key in sections():
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                value = dataclasses.asdict(value)
+            if not isinstance(value, Mapping):
+                raise ConfigError(
+                    f"{key} must be a mapping of its options, got {value!r}.", field=key
+                )
+            expanded.update({f"{key}.{leaf}": v for leaf, v in value.items()})
+        else:
+            expanded[key] = value
+    return expanded
 
 
 def _set_fields(config: Config) -> dict[str, Any]:
-    """The fields of a Config that differ from the defaults (so env can still fill the rest)."""
-    default = Config()
-    return {
-        spec.name: getattr(config, spec.name)
-        for spec in field_specs()
-        if getattr(config, spec.name) != getattr(default, spec.name)
-    }
+    """The options of a Config that differ from the defaults (so other layers fill the rest)."""
+    default = flatten(Config())
+    return {name: value for name, value in flatten(config).items() if value != default[name]}

@@ -7,7 +7,6 @@ and whether the function and its arguments can be pickled.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -19,7 +18,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nbaccel.accelerate_compat import accelerate_env
 from nbaccel.config import Config, shown_ranks
+from nbaccel.config_files import as_nested
 from nbaccel.context import ProcessContext
 from nbaccel.devices import visible_gpu_count
 from nbaccel.errors import ConfigError
@@ -178,10 +179,7 @@ def worker_env(context: ProcessContext, config: Config, base: Mapping[str, str])
     env = dict(base)
     env.update(context.torch_env())
     # What Hugging Face Accelerate reads, so code written for it runs unchanged.
-    env["ACCELERATE_MIXED_PRECISION"] = config.mixed_precision
-    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
-    if config.use_cpu or not visible_gpu_count(base):
-        env["ACCELERATE_USE_CPU"] = "true"
+    env.update(accelerate_env(config, on_cpu=config.use_cpu or not visible_gpu_count(base)))
     # Threads are sized once per worker (torch.set_num_threads reads this in the worker).
     env.setdefault(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // context.local_world_size))
@@ -209,5 +207,5 @@ def _contexts(run_id: str, world_size: int, port: int) -> list[ProcessContext]:
 
 
 def _write_config(run_dir: Path, resolved: Resolved) -> None:
-    record = {"config": dataclasses.asdict(resolved.config), "sources": dict(resolved.sources)}
+    record = {"config": as_nested(resolved.config), "sources": dict(resolved.sources)}
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -53,3 +53,14 @@ def test_use_cpu_runs_gloo_even_with_gpus(runs_dir: str) -> None:
         nbaccel.notebook_launcher(backend, num_processes=2, use_cpu=True, runs_dir=runs_dir)
         == "gloo"
     )
+
+
+def test_accelerate_sees_the_fsdp_strategy_on_gpus(runs_dir: str) -> None:
+    pytest.importorskip("accelerate")
+
+    def distributed_type() -> str:
+        from accelerate import Accelerator
+
+        return str(Accelerator().distributed_type.value)
+
+    assert nbaccel.notebook_launcher(distributed_type, strategy="fsdp", runs_dir=runs_dir) == "FSDP"

@@ -234,6 +234,14 @@ def test_accelerate_code_runs_unchanged(runs_dir: str) -> None:
     ).results(120)
     assert results == {0: (2, "MULTI_CPU", "bf16", 0), 1: (2, "MULTI_CPU", "bf16", 1)}
 
+    def fsdp_env() -> tuple:
+        return os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_SHARDING_STRATEGY"]
+
+    # What `accelerate launch` would export. (Accelerate applies FSDP on GPUs only; on CPU
+    # its state stays MULTI_CPU: see test_cuda.py for the GPU check.)
+    fsdp = nbaccel.launch(fsdp_env, num_processes=2, strategy="fsdp", runs_dir=runs_dir)
+    assert fsdp.result(120) == ("true", "FULL_SHARD")
+
 
 def test_parent_that_used_torch_threads_and_its_own_group(tmp_path: Path) -> None:
     result = run_script(

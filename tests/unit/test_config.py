@@ -2,24 +2,48 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from nbaccel.config import Config, check_field_names, field_specs, parse_text, shown_ranks
+from nbaccel.config import (
+    Config,
+    DeepSpeedOptions,
+    FSDPOptions,
+    check_names,
+    flatten,
+    from_flat,
+    option,
+    options,
+    parse_text,
+    shown_ranks,
+)
 from nbaccel.errors import ConfigError
 
 
-def spec(name: str) -> dataclasses.Field:  # type: ignore[type-arg]
-    return next(s for s in field_specs() if s.name == name)
+def spec(name: str):  # type: ignore[no-untyped-def]
+    return option(name)
 
 
 def test_defaults_are_valid_and_documented() -> None:
     config = Config()
     assert config.num_processes is None
     assert config.mixed_precision == "no"
-    for field in field_specs():
-        assert field.metadata["help"], f"{field.name} has no help text"
+    assert config.fsdp == FSDPOptions() and config.deepspeed == DeepSpeedOptions()
+    for opt in options():
+        assert len(opt.help) > 15, f"{opt.name} has no real help text"
+    names = [opt.name for opt in options()]
+    assert len(names) == len(set(names))
+    assert "fsdp_sharding_strategy" in names and option("fsdp.cpu_offload").kind is bool
+
+
+def test_flat_round_trip_and_nested_sections() -> None:
+    config = Config(strategy="fsdp", fsdp=FSDPOptions(cpu_offload=True), log_with=("csv",))
+    assert from_flat(flatten(config)) == config
+    assert (
+        from_flat({"fsdp.sharding_strategy": "SHARD_GRAD_OP"}).fsdp.sharding_strategy
+        == "SHARD_GRAD_OP"
+    )
+    assert Config().replace(fsdp_cpu_offload=True).fsdp.cpu_offload is True
+    assert from_flat({"log_with": ["csv", "jsonl"]}).log_with == ("csv", "jsonl")
 
 
 @pytest.mark.parametrize(
@@ -27,22 +51,41 @@ def test_defaults_are_valid_and_documented() -> None:
     [
         ({"num_processes": 0}, "num_processes must be >= 1, got 0"),
         ({"num_processes": -2}, "num_processes must be >= 1"),
-        ({"num_processes": 2.5}, "num_processes must be int, got 2.5 (float)"),
-        ({"num_processes": "2"}, "num_processes must be int, got '2' (str)"),
-        ({"num_processes": True}, "num_processes must be int, got True (bool)"),
+        ({"num_processes": 2.5}, "num_processes must be int or None, got 2.5 (float)"),
+        ({"num_processes": "2"}, "num_processes must be int or None, got '2' (str)"),
+        ({"num_processes": True}, "num_processes must be int or None, got True (bool)"),
         ({"mixed_precision": "fp32"}, "'no', 'fp16', 'bf16'"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be >= 1"),
         ({"collective_timeout": 0}, "collective_timeout must be >= 0.001"),
         ({"use_cpu": "yes"}, "use_cpu must be bool"),
         ({"log_ranks": "zero"}, "log_ranks='zero' is not 'all' or a comma list"),
         ({"log_ranks": "-1"}, "at least one rank >= 0"),
+        ({"strategy": "zero"}, "'auto', 'ddp', 'fsdp', 'deepspeed', 'xla'"),
+        ({"log_with": ("csv", "neptune")}, "log_with entry 'neptune' is not one of"),
+        ({"log_with": "csv"}, "log_with must be comma list"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm must be >= 0"),
+        ({"machine_rank": 1}, "machine_rank=1 but num_machines=1"),
+        ({"fsdp_sharding_strategy": "ZERO3"}, "'FULL_SHARD', 'SHARD_GRAD_OP'"),
+        ({"deepspeed_zero_stage": 4}, "deepspeed_zero_stage=4 is not one of 0, 1, 2, 3"),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_field(changes: dict, fragment: str) -> None:
     with pytest.raises(ConfigError) as caught:
-        Config(**changes)
+        from_flat(changes)
     assert fragment in str(caught.value)
     assert caught.value.field == next(iter(changes))
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"strategy": "deepspeed", "use_cpu": True}, "needs CUDA GPUs"),
+        ({"strategy": "xla", "use_cpu": True}, "runs on TPUs"),
+    ],
+)
+def test_contradictions(changes: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        from_flat(changes)
 
 
 def test_ints_are_accepted_for_float_fields() -> None:
@@ -51,7 +94,7 @@ def test_ints_are_accepted_for_float_fields() -> None:
 
 def test_unknown_field_suggests_the_close_match() -> None:
     with pytest.raises(ConfigError, match="Did you mean 'mixed_precision'"):
-        check_field_names(["mixed_precison"])
+        check_names(["mixed_precison"], "argument")
     with pytest.raises(ConfigError, match="Valid fields: num_processes"):
         Config().replace(bogus=1)
 
@@ -76,6 +119,9 @@ def test_shown_ranks() -> None:
         ("use_cpu", "0", False),
         ("collective_timeout", "2.5", 2.5),
         ("mixed_precision", " bf16 ", "bf16"),
+        ("log_with", "tensorboard,csv", ("tensorboard", "csv")),
+        ("max_grad_norm", "none", None),
+        ("fsdp_cpu_offload", "yes", True),
     ],
 )
 def test_parse_text(name: str, text: str, value: object) -> None:

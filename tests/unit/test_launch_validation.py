@@ -37,8 +37,8 @@ def nothing_started(tmp_path: Path) -> Iterator[Path]:
     [
         ({"num_processes": 0}, nbaccel.ConfigError, "num_processes must be >= 1, got 0"),
         ({"num_processes": -1}, nbaccel.ConfigError, "num_processes must be >= 1"),
-        ({"num_processes": 1.5}, nbaccel.ConfigError, "must be int, got 1.5"),
-        ({"num_processes": "2"}, nbaccel.ConfigError, "must be int, got '2'"),
+        ({"num_processes": 1.5}, nbaccel.ConfigError, "must be int or None, got 1.5"),
+        ({"num_processes": "2"}, nbaccel.ConfigError, "must be int or None, got '2'"),
         ({"mixed_precision": "fp64"}, nbaccel.ConfigError, "'no', 'fp16', 'bf16'"),
         ({"mixed_precison": "bf16"}, nbaccel.ConfigError, "Did you mean 'mixed_precision'"),
         ({"args": 5}, TypeError, "args must be a tuple or list"),

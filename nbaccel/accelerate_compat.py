@@ -1,0 +1,234 @@
+"""Hugging Face Accelerate compatibility: its YAML config in, its environment variables out.
+
+``from_accelerate_yaml`` maps Accelerate's ``default_config.yaml`` schema onto nbaccel's
+options; a value nbaccel cannot honour is an error naming the key, never silently dropped.
+``accelerate_env`` gives workers the variables Accelerate's own launcher would set, so code
+written for Accelerate runs unchanged under nbaccel. Plain data, stdlib only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nbaccel.config import Config
+from nbaccel.errors import ConfigError
+
+ACCELERATE_TOP_KEYS = frozenset(
+    {
+        "compute_environment",
+        "distributed_type",
+        "fsdp_config",
+        "deepspeed_config",
+        "dynamo_config",
+        "megatron_lm_config",
+        "downcast_bf16",
+        "same_network",
+        "rdzv_backend",
+        "tpu_env",
+        "tpu_use_cluster",
+        "tpu_use_sudo",
+        "main_training_function",
+        "gpu_ids",
+        "enable_cpu_affinity",
+        "debug",
+        "ipex_config",
+        "mpirun_config",
+        "use_cpu",
+        "num_machines",
+        "num_processes",
+        "machine_rank",
+        "main_process_ip",
+        "main_process_port",
+        "mixed_precision",
+        "tpu_name",
+        "tpu_zone",
+        "commands",
+        "command_file",
+    }
+)
+_STRATEGY = {
+    "NO": None,
+    "MULTI_CPU": "ddp",
+    "MULTI_GPU": "ddp",
+    "FSDP": "fsdp",
+    "DEEPSPEED": "deepspeed",
+    "XLA": "xla",
+    "TPU": "xla",
+}
+# Keys whose default value is harmless and whose other values nbaccel cannot honour.
+_ONLY_DEFAULT = {
+    "downcast_bf16": ("no", False, None),
+    "enable_cpu_affinity": (False, None),
+    "debug": (False, None),
+    "tpu_use_cluster": (False, None),
+    "tpu_use_sudo": (False, None),
+    "gpu_ids": ("all", None),
+    "compute_environment": ("LOCAL_MACHINE", None),
+}
+_IGNORED = {
+    "same_network",
+    "rdzv_backend",
+    "main_training_function",
+    "tpu_env",
+    "tpu_name",
+    "tpu_zone",
+    "commands",
+    "command_file",
+    "ipex_config",
+    "mpirun_config",
+    "megatron_lm_config",
+}
+_FSDP = {
+    "fsdp_sharding_strategy": "fsdp.sharding_strategy",
+    "fsdp_offload_params": "fsdp.cpu_offload",
+    "fsdp_auto_wrap_policy": "fsdp.auto_wrap_policy",
+    "fsdp_transformer_layer_cls_to_wrap": "fsdp.transformer_layer_cls",
+    "fsdp_min_num_params": "fsdp.min_num_params",
+    "fsdp_activation_checkpointing": "fsdp.activation_checkpointing",
+    "fsdp_state_dict_type": "fsdp.state_dict_type",
+}
+_FSDP_TOLERATED = {
+    "fsdp_version",
+    "fsdp_backward_prefetch",
+    "fsdp_forward_prefetch",
+    "fsdp_use_orig_params",
+    "fsdp_cpu_ram_efficient_loading",
+    "fsdp_sync_module_states",
+    "fsdp_reshard_after_forward",
+}
+_DEEPSPEED = {
+    "zero_stage": "deepspeed.zero_stage",
+    "offload_optimizer_device": "deepspeed.offload_optimizer_device",
+    "offload_param_device": "deepspeed.offload_param_device",
+    "deepspeed_config_file": "deepspeed.config_file",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm",
+}
+_DEEPSPEED_TOLERATED = {"zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"}
+
+
+def looks_like_accelerate(data: Mapping[str, Any]) -> bool:
+    """Accelerate files always hold distributed_type or compute_environment."""
+    return "distributed_type" in data or "compute_environment" in data
+
+
+def from_accelerate_yaml(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """Map an Accelerate config (already parsed) to ``{nbaccel dotted path: value}``.
+
+    >>> from_accelerate_yaml({"distributed_type": "MULTI_CPU", "num_processes": 4,
+    ...                       "mixed_precision": "bf16", "use_cpu": True}, "x.yaml")
+    {'strategy': 'ddp', 'num_processes': 4, 'mixed_precision': 'bf16', 'use_cpu': True}
+    """
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"{origin}: {key}"
+        if key not in ACCELERATE_TOP_KEYS:
+            raise ConfigError(f"Unknown Accelerate config key {key!r} in {origin}.", field=key)
+        if key == "distributed_type":
+            if value not in _STRATEGY:
+                raise ConfigError(
+                    f"{where}={value!r}: nbaccel supports distributed_type NO, MULTI_CPU, "
+                    f"MULTI_GPU, FSDP, DEEPSPEED and XLA.",
+                    field="strategy",
+                )
+            if _STRATEGY[value]:
+                values["strategy"] = _STRATEGY[value]
+        elif key in _ONLY_DEFAULT:
+            if value not in _ONLY_DEFAULT[key]:
+                raise ConfigError(
+                    f"{where}={value!r} is not supported by nbaccel (only "
+                    f"{_ONLY_DEFAULT[key][0]!r}). Remove the key"
+                    + (", and choose GPUs with CUDA_VISIBLE_DEVICES." if key == "gpu_ids" else "."),
+                    field=key,
+                )
+        elif key in _IGNORED:
+            continue
+        elif key == "fsdp_config":
+            values.update(_nested(value or {}, _FSDP, _FSDP_TOLERATED, where))
+        elif key == "deepspeed_config":
+            values.update(_nested(value or {}, _DEEPSPEED, _DEEPSPEED_TOLERATED, where))
+        elif key == "dynamo_config":
+            backend = str((value or {}).get("dynamo_backend", "NO")).lower()
+            values["dynamo_backend"] = backend
+        elif key == "main_process_ip" and value is None:
+            continue
+        else:
+            values[key] = value
+    if values.get("strategy") == "ddp" and data.get("distributed_type") == "MULTI_CPU":
+        values["use_cpu"] = True
+    machines = values.get("num_machines", 1)
+    if isinstance(values.get("num_processes"), int) and isinstance(machines, int) and machines > 1:
+        # Accelerate counts processes over all machines; nbaccel counts them per machine.
+        total = values["num_processes"]
+        if total % machines:
+            raise ConfigError(
+                f"{origin}: num_processes={total} cannot be split evenly over "
+                f"num_machines={machines}.",
+                field="num_processes",
+            )
+        values["num_processes"] = total // machines
+    return values
+
+
+def _nested(
+    section: Mapping[str, Any], mapping: Mapping[str, str], tolerated: set[str], where: str
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, value in section.items():
+        if key in mapping:
+            if key == "fsdp_transformer_layer_cls_to_wrap" and isinstance(value, list):
+                value = ",".join(value)
+            if key == "fsdp_sharding_strategy" and isinstance(value, int):
+                value = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")[value - 1]
+            if key in ("offload_optimizer_device", "offload_param_device") and value is None:
+                value = "none"
+            if value == "auto" or (key == "gradient_clipping" and value is None):
+                continue  # filled from the run
+            values[mapping[key]] = value
+        elif key not in tolerated:
+            raise ConfigError(
+                f"{where}.{key} is not an option nbaccel can honour. Known: "
+                f"{', '.join(sorted(mapping))}.",
+                field=key,
+            )
+    return values
+
+
+def accelerate_env(config: Config, *, on_cpu: bool) -> dict[str, str]:
+    """Variables that Accelerate reads in a worker, as its own launcher would set them."""
+    env = {
+        "ACCELERATE_MIXED_PRECISION": config.mixed_precision,
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(config.gradient_accumulation_steps),
+        "ACCELERATE_DYNAMO_BACKEND": config.dynamo_backend.upper(),
+    }
+    if on_cpu:
+        env["ACCELERATE_USE_CPU"] = "true"
+    if config.max_grad_norm is not None:
+        env["ACCELERATE_GRADIENT_CLIPPING"] = str(config.max_grad_norm)
+    if config.strategy == "fsdp":
+        fsdp = config.fsdp
+        env |= {
+            "ACCELERATE_USE_FSDP": "true",
+            "FSDP_VERSION": "2",
+            "FSDP_SHARDING_STRATEGY": fsdp.sharding_strategy,
+            "FSDP_RESHARD_AFTER_FORWARD": str(fsdp.sharding_strategy != "SHARD_GRAD_OP").lower(),
+            "FSDP_OFFLOAD_PARAMS": str(fsdp.cpu_offload).lower(),
+            "FSDP_AUTO_WRAP_POLICY": fsdp.auto_wrap_policy,
+            "FSDP_MIN_NUM_PARAMS": str(fsdp.min_num_params),
+            "FSDP_STATE_DICT_TYPE": fsdp.state_dict_type,
+            "FSDP_ACTIVATION_CHECKPOINTING": str(fsdp.activation_checkpointing).lower(),
+        }
+        if fsdp.transformer_layer_cls:
+            env["FSDP_TRANSFORMER_CLS_TO_WRAP"] = fsdp.transformer_layer_cls
+    elif config.strategy == "deepspeed":
+        ds = config.deepspeed
+        env |= {
+            "ACCELERATE_USE_DEEPSPEED": "true",
+            "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(ds.zero_stage),
+            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": ds.offload_optimizer_device,
+            "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": ds.offload_param_device,
+        }
+        if ds.config_file:
+            env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = ds.config_file
+    return env
