@@ -1,4 +1,7 @@
-"""The ``nbaccel`` command line. Entry point only: nothing in the library imports it."""
+"""The ``nbaccel`` command line: a dispatcher over one module per command.
+
+Entry point only: nothing in the library imports it.
+"""
 
 from __future__ import annotations
 
@@ -10,26 +13,62 @@ import nbaccel
 from nbaccel.demo import train_demo
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nbaccel",
+        description="Launch distributed PyTorch training from notebooks and terminals.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="train a small built-in model on generated data across worker processes",
+        description="Train a small built-in model on generated data (no downloads), showing "
+        "rank 0's progress and the value it returns.",
+    )
+    demo.add_argument(
+        "--num_processes",
+        "--num-processes",
+        type=int,
+        default=None,
+        help="worker processes (default: 2, or one per GPU)",
+    )
+    demo.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
+    demo.set_defaults(run=_demo)
+    for module_name in ("nbaccel.cli_config", "nbaccel.cli_env", "nbaccel.cli_launch"):
+        try:
+            module = __import__(module_name, fromlist=["register"])
+        except ModuleNotFoundError as error:
+            if error.name != module_name:
+                raise
+            continue  # a command not built yet
+        module.register(commands)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``nbaccel <command>``; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="nbaccel", description=nbaccel.__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="train a small built-in model on generated data across worker processes"
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except nbaccel.ConfigError as error:
+        print(f"nbaccel: {error}", file=sys.stderr)
+        return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import os
+
+    from nbaccel.devices import visible_gpu_count
+
+    gpus = visible_gpu_count(os.environ)
+    num_processes = args.num_processes or max(gpus, 2)
+    where = (
+        f"{num_processes} GPU processes (nccl)" if gpus else f"{num_processes} CPU processes (gloo)"
     )
-    demo.add_argument("--num_processes", "--num-processes", type=int, default=2)
-    demo.add_argument("--epochs", type=int, default=3)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args.num_processes, args.epochs)
-    return 2  # unreachable: argparse rejects unknown commands
-
-
-def _demo(num_processes: int, epochs: int) -> int:
-    print(f"nbaccel demo: training on {num_processes} CPU processes (gloo); rank 0's output:")
+    print(f"nbaccel demo: training on {where}; rank 0's output:")
     try:
         summary = nbaccel.notebook_launcher(
-            train_demo, args=(epochs,), num_processes=num_processes, use_cpu=True
+            train_demo, args=(args.epochs,), num_processes=num_processes, use_cpu=not gpus
         )
     except KeyboardInterrupt:
         print("nbaccel demo: interrupted; every worker was stopped.", file=sys.stderr)

@@ -1,0 +1,280 @@
+"""notebook_launcher in a real ipykernel, driven by nbclient: what a notebook user sees.
+
+One notebook is executed once per module (a kernel start and the helper's ``import torch``
+are the slow part); each test asserts on its own cells. Errors are allowed at execution so
+that every test reports on its cells even when another cell failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nbclient import NotebookClient
+from nbformat import NotebookNode
+from traitlets import Unicode
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _src(text: str) -> str:
+    return textwrap.dedent(text).strip()
+
+
+def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
+    return cells.notebook(
+        [
+            ("kernel", "import os, sys\nsys.prefix, sys.executable"),
+            (
+                "setup",
+                _src(f"""
+                import nbaccel
+
+                RUNS = {str(runs_dir)!r}
+                SCALE = 3
+
+
+                def scaled(value):
+                    return value * SCALE
+
+
+                def make_offset(k):
+                    def offset(value):
+                        return value + k
+
+                    return offset
+
+
+                OFFSET = make_offset(0.5)
+                "torch" in sys.modules
+                """),
+            ),
+            (
+                "train",
+                _src("""
+                def train(x):
+                    import torch
+                    import torch.distributed as dist
+
+                    rank = dist.get_rank()
+                    t = torch.tensor([float(rank + 1)])
+                    dist.all_reduce(t)
+                    print(f"rank {rank} sum {t.item()}")
+                    return OFFSET(scaled(t.item() * x)) + 100 * rank
+                """),
+            ),
+            (
+                "launch",
+                "nbaccel.notebook_launcher(train, args=(2,), num_processes=2, runs_dir=RUNS)",
+            ),
+            (
+                "launch-all",
+                _src("""
+                nbaccel.notebook_launcher(
+                    train, args=(2,), num_processes=2, runs_dir=RUNS, log_ranks="all"
+                )
+                """),
+            ),
+            (
+                "launch-run",
+                _src("""
+                run = nbaccel.launch(train, args=(2,), num_processes=2, runs_dir=RUNS)
+                run.wait(timeout=120)
+                (
+                    run.results(),
+                    os.path.dirname(run.run_dir) == os.path.realpath(RUNS),
+                    run.logs(1).strip(),
+                )
+                """),
+            ),
+            (
+                "fail-def",
+                _src("""
+                def fail_on_rank_1():
+                    import torch.distributed as dist
+
+                    if dist.get_rank() == 1:
+                        raise ValueError("boom from the cell")
+                    return "rank 0 finished"
+                """),
+            ),
+            (
+                "fail",
+                "nbaccel.notebook_launcher(fail_on_rank_1, num_processes=2, runs_dir=RUNS)",
+                ["raises-exception"],
+            ),
+            (
+                "after-fail",
+                "nbaccel.notebook_launcher(train, args=(1,), num_processes=2, runs_dir=RUNS)",
+            ),
+            (
+                "progress",
+                _src("""
+                def progress():
+                    import torch.distributed as dist
+                    from tqdm import tqdm
+
+                    total = 0
+                    for i in tqdm(range(5), mininterval=0, ascii=True,
+                                  disable=dist.get_rank() != 0):
+                        total += i
+                    return total
+
+
+                nbaccel.notebook_launcher(progress, num_processes=2, runs_dir=RUNS)
+                """),
+            ),
+            ("torch-free", '"torch" in sys.modules'),
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def executed(
+    cells: Any, kernel_dirs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> NotebookNode:
+    work = tmp_path_factory.mktemp("nb-launch")
+    nb = _notebook(cells, work / "runs")
+    return cells.execute(nb, work, allow_errors=True)
+
+
+def test_kernel_is_this_venv(executed: NotebookNode, cells: Any) -> None:
+    cell = cells.cell(executed, "kernel")
+    cells.assert_ok(cell)
+    # jupyter_client runs the native kernelspec's "python" as sys.executable: this venv.
+    assert cells.result(cell) == repr((sys.prefix, sys.executable))
+
+
+def test_rank0_output_streams_into_the_cell_and_its_value_returns(
+    executed: NotebookNode, cells: Any
+) -> None:
+    setup, launch = cells.cell(executed, "setup"), cells.cell(executed, "launch")
+    cells.assert_ok(setup)
+    assert cells.result(setup) == "False", "importing nbaccel imported torch in the kernel"
+    cells.assert_ok(launch)
+    # all_reduce of 1 + 2 = 3; then the notebook global SCALE and the closure OFFSET apply;
+    # rank 1 would have returned 118.5.
+    assert cells.result(launch) == "18.5"
+    lines = cells.stream(launch).splitlines()
+    assert "rank 0 sum 3.0" in lines
+    assert not any("rank 1" in line for line in lines), "rank 1 shown with log_ranks='0'"
+
+
+def test_log_ranks_all_labels_other_ranks(executed: NotebookNode, cells: Any) -> None:
+    cell = cells.cell(executed, "launch-all")
+    cells.assert_ok(cell)
+    assert cells.result(cell) == "18.5"
+    lines = cells.stream(cell).splitlines()
+    assert "rank 0 sum 3.0" in lines
+    assert "[rank 1] rank 1 sum 3.0" in lines
+
+
+def test_launch_returns_a_run_with_every_rank_and_its_logs(
+    executed: NotebookNode, cells: Any
+) -> None:
+    cell = cells.cell(executed, "launch-run")
+    cells.assert_ok(cell)
+    assert cells.result(cell) == "({0: 18.5, 1: 118.5}, True, 'rank 1 sum 3.0')"
+
+
+def test_failing_rank_raises_its_exception_with_the_cell_source(
+    executed: NotebookNode, cells: Any
+) -> None:
+    cell = cells.cell(executed, "fail")
+    [error] = cells.errors(cell)
+    assert error.ename == "ValueError"
+    assert error.evalue.startswith("[rank 1] ")
+    assert "boom from the cell" in error.evalue
+    text = cells.strip_ansi("\n".join(error.traceback))
+    assert "Traceback from rank 1" in text, text
+    remote = text[text.index("Traceback from rank 1") :]
+    # The worker's frame in the cell-defined function, with the cell's own source line: the
+    # cell's source only exists in the kernel's linecache, so it must travel to the workers.
+    assert "in fail_on_rank_1" in remote, text
+    assert 'raise ValueError("boom from the cell")' in remote, text
+
+
+def test_next_launch_after_a_failure_works(executed: NotebookNode, cells: Any) -> None:
+    cell = cells.cell(executed, "after-fail")
+    cells.assert_ok(cell)
+    assert cells.result(cell) == "9.5"
+
+
+def test_progress_bar_reaches_its_end_on_one_line(executed: NotebookNode, cells: Any) -> None:
+    cell = cells.cell(executed, "progress")
+    cells.assert_ok(cell)
+    assert cells.result(cell) == "10"
+    text = cells.stream(cell)
+    assert "5/5" in text, repr(text)
+    # tqdm redraws with "\r": the cell shows one bar line, at its final state.
+    bars = [line for line in cells.screen_lines(text) if "/5" in line]
+    assert len(bars) == 1, repr(text)
+    assert "100%" in bars[0] and "5/5" in bars[0], repr(text)
+
+
+def test_kernel_never_imports_torch(executed: NotebookNode, cells: Any) -> None:
+    cell = cells.cell(executed, "torch-free")
+    cells.assert_ok(cell)
+    assert cells.result(cell) == "False"
+
+
+class _GoWhenShown(NotebookClient):  # type: ignore[misc]
+    """Creates ``go_file`` as soon as the kernel sends the line "waiting for go"."""
+
+    go_file = Unicode("")
+
+    def output(self, outs: list[NotebookNode], msg: dict[str, Any], *args: Any) -> Any:
+        out = super().output(outs, msg, *args)
+        if msg["msg_type"] == "stream" and "waiting for go" in msg["content"]["text"]:
+            Path(self.go_file).touch()
+        return out
+
+
+@pytest.mark.timeout(300)
+def test_output_is_streamed_while_the_ranks_still_run(
+    cells: Any, kernel_dirs: Path, tmp_path: Path
+) -> None:
+    # Rank 0 prints, then waits until the test has seen that line arrive in the notebook:
+    # output that only showed up when the run ended would make rank 0 time out.
+    go_file = tmp_path / "go"
+    nb = cells.notebook(
+        [
+            (
+                "wait",
+                _src(f"""
+                import nbaccel
+
+
+                def wait_for_go(go_file):
+                    import os
+                    import time
+
+                    import torch.distributed as dist
+
+                    if dist.get_rank() == 0:
+                        print("waiting for go", flush=True)
+                        deadline = time.monotonic() + 60
+                        while not os.path.exists(go_file):
+                            if time.monotonic() > deadline:
+                                raise TimeoutError("the line never reached the notebook")
+                            time.sleep(0.02)
+                    dist.barrier()
+                    return "went"
+
+
+                nbaccel.notebook_launcher(
+                    wait_for_go, args=({str(go_file)!r},), num_processes=2,
+                    runs_dir={str(tmp_path / "runs")!r},
+                )
+                """),
+            )
+        ]
+    )
+    cells.execute(nb, tmp_path, client_class=_GoWhenShown, go_file=str(go_file))
+    cell = cells.cell(nb, "wait")
+    cells.assert_ok(cell)
+    assert cells.result(cell) == "'went'"
+    assert go_file.exists()
