@@ -116,6 +116,21 @@ class Run:
         with self._metrics_lock:
             return list(self._metrics)
 
+    @property
+    def exit_code(self) -> int | None:
+        """A shell-style code: None while running, 0 on success, 130 when stopped, else the
+        failing rank's exit code (128 + the signal number when a signal killed it)."""
+        if not self._state.done:
+            return None
+        if self._state is RunState.SUCCEEDED:
+            return 0
+        if self._state is RunState.CANCELLED or self._culprit is None:
+            return 130 if self._state is RunState.CANCELLED else 1
+        status = self._ranks[self._culprit.rank].exitcode
+        if status is None or status == 0:
+            return 1
+        return 128 - status if status < 0 else status
+
     def subscribe(self, subscriber: Subscriber) -> None:
         """Receive every later event (called on the pump thread: keep it quick)."""
         self._subscribers.append(subscriber)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from nbaccel.config import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter
+from nbaccel.launcher import script
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 
 # Rank 0's TCPStore server: kept alive for the process's lifetime, reused by
@@ -88,7 +89,9 @@ def _run(
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
         events.send(error_message(error, context.rank))
-        return 1
+        # sys.exit(n) keeps its code, as under torchrun; anything else exits with 1.
+        code = getattr(error, "code", 1) if isinstance(error, SystemExit) else 1
+        return code if isinstance(code, int) and 0 < code < 256 else 1
 
 
 def _start_distributed(context: ProcessContext, config: Config, listen_fd: int | None) -> None:
@@ -137,7 +140,7 @@ def _dump_result(rank: int, value: Any) -> bytes:
 def error_message(error: BaseException, rank: int) -> dict[str, Any]:
     """The event describing an exception, with a traceback that starts in user code."""
     tb = error.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCHER_FRAMES:
         tb = tb.tb_next
     try:
         pickled: bytes | None = bytes(cloudpickle.dumps(error))
@@ -155,6 +158,8 @@ def error_message(error: BaseException, rank: int) -> dict[str, Any]:
     }
 
 
+# Frames above the user's code that a traceback need not show.
+_LAUNCHER_FRAMES = frozenset({__file__, script.__file__, "<frozen runpy>"})
 _PEER_FAILURES = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
 
 
