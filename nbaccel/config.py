@@ -395,6 +395,12 @@ def _check_consistency(config: Config) -> None:
             "(which runs on CPU) or turn use_cpu off.",
             field="strategy",
         )
+    if config.fsdp.sharding_strategy == "HYBRID_SHARD" and config.num_machines == 1:
+        raise ConfigError(
+            "fsdp_sharding_strategy='HYBRID_SHARD' shards within a machine and replicates "
+            "across machines, but num_machines=1. Use FULL_SHARD on one machine.",
+            field="fsdp_sharding_strategy",
+        )
     if config.strategy == "xla" and config.use_cpu:
         raise ConfigError(
             "strategy='xla' runs on TPUs; use_cpu=True asks for CPU processes. Choose one.",

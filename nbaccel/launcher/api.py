@@ -7,6 +7,7 @@ and whether the function and its arguments can be pickled.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -159,9 +160,37 @@ def _check_call(function: Any, args: Any, kwargs: Any, dashboard: Any) -> None:
         raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
 
 
+def check_environment(config: Config, gpus: int, installed: Callable[[str], bool]) -> None:
+    """Settings this machine cannot honour: an error now instead of a crash in a worker."""
+    if config.strategy == "xla" and not installed("torch_xla"):
+        raise ConfigError(
+            "strategy='xla' needs torch_xla, which is not installed. On a TPU runtime (Colab, "
+            "Kaggle) it is preinstalled; elsewhere: pip install nbaccel[xla].",
+            field="strategy",
+        )
+    if config.strategy == "deepspeed":
+        if not installed("deepspeed"):
+            raise ConfigError(
+                "strategy='deepspeed' needs the deepspeed package: pip install deepspeed "
+                "(it runs on CUDA GPUs). On CPU use strategy='fsdp'.",
+                field="strategy",
+            )
+        if not gpus:
+            raise ConfigError(
+                "strategy='deepspeed' runs on CUDA GPUs and none is visible. Use "
+                "strategy='fsdp' (sharding that runs on CPU too).",
+                field="strategy",
+            )
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None  # looks, never imports
+
+
 def plan_world_size(config: Config, env: Mapping[str, str]) -> int:
     """Worker count for this machine, checked against the GPUs that are visible."""
     gpus = 0 if config.use_cpu else visible_gpu_count(env)
+    check_environment(config, gpus, _installed)
     if config.num_processes is None:
         return max(gpus, 1)
     if gpus and config.num_processes > gpus:

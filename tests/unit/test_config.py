@@ -81,6 +81,7 @@ def test_bad_values_raise_config_error_naming_the_field(changes: dict, fragment:
     [
         ({"strategy": "deepspeed", "use_cpu": True}, "needs CUDA GPUs"),
         ({"strategy": "xla", "use_cpu": True}, "runs on TPUs"),
+        ({"fsdp_sharding_strategy": "HYBRID_SHARD"}, "Use FULL_SHARD on one machine"),
     ],
 )
 def test_contradictions(changes: dict, fragment: str) -> None:

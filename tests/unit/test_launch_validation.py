@@ -91,3 +91,26 @@ def test_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert int(env["OMP_NUM_THREADS"]) >= 1
     assert base == {"PATH": "/bin", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
     assert dict(os.environ) == before
+
+
+@pytest.mark.parametrize(
+    ("config", "gpus", "installed", "fragment"),
+    [
+        (Config(strategy="xla"), 0, set(), "needs torch_xla"),
+        (Config(strategy="deepspeed"), 1, set(), "needs the deepspeed package"),
+        (Config(strategy="deepspeed"), 0, {"deepspeed"}, "none is visible"),
+    ],
+)
+def test_settings_this_machine_cannot_honour(
+    config: Config, gpus: int, installed: set, fragment: str
+) -> None:
+    with pytest.raises(nbaccel.ConfigError, match=fragment):
+        api.check_environment(config, gpus, installed.__contains__)
+    api.check_environment(config, gpus or 1, {"torch_xla", "deepspeed"}.__contains__)
+
+
+def test_xla_without_torch_xla_fails_before_start(nothing_started: Path) -> None:
+    if api._installed("torch_xla"):
+        pytest.skip("torch_xla is installed here")
+    with pytest.raises(nbaccel.ConfigError, match="needs torch_xla"):
+        nbaccel.launch(train, strategy="xla", runs_dir=str(nothing_started))
