@@ -49,6 +49,7 @@ def home(tmp_path: Path) -> dict[str, str]:
 def test_nbaccel_yaml_round_trips_exactly(tmp_path: Path) -> None:
     config = Config(
         num_processes=4,
+        num_machines=2,
         mixed_precision="bf16",
         max_grad_norm=1.0,
         strategy="fsdp",
