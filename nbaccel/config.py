@@ -17,89 +17,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.config_sections import DeepSpeedOptions, FSDPOptions, schema_field
 from nbaccel.errors import ConfigError
+
+__all__ = ["Config", "DeepSpeedOptions", "FSDPOptions", "Option", "options"]
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed", "xla")
 TRACKERS = ("tensorboard", "csv", "jsonl", "wandb", "mlflow")
 DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "cudagraphs")
-
-
-def _option(
-    default: Any,
-    help: str,
-    *,
-    choices: tuple[Any, ...] | None = None,
-    accelerate_env: str | None = None,
-    minimum: float | None = None,
-) -> Any:
-    meta = {"help": help, "choices": choices, "accelerate_env": accelerate_env, "minimum": minimum}
-    return field(default=default, metadata=meta)
-
-
-@dataclass(frozen=True)
-class FSDPOptions:
-    """Fully Sharded Data Parallel (PyTorch's ``fully_shard``), used when strategy is fsdp."""
-
-    sharding_strategy: str = _option(
-        "FULL_SHARD",
-        "What is sharded: FULL_SHARD (params, grads, optimizer state: ZeRO-3), SHARD_GRAD_OP "
-        "(grads and optimizer state: ZeRO-2), NO_SHARD (plain DDP), HYBRID_SHARD (full "
-        "shard within a machine, replicate across machines).",
-        choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
-    )
-    cpu_offload: bool = _option(False, "Keep sharded parameters in CPU memory between uses.")
-    auto_wrap_policy: str = _option(
-        "TRANSFORMER_BASED_WRAP",
-        "Which submodules become their own shard unit: by transformer layer class, by size, "
-        "or none (the whole model is one unit).",
-        choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
-    )
-    transformer_layer_cls: str = _option(
-        "",
-        "Comma list of layer class names to wrap (e.g. 'LlamaDecoderLayer'); empty: the "
-        "model's _no_split_modules.",
-    )
-    min_num_params: int = _option(
-        100_000_000, "Smallest submodule (in parameters) wrapped by SIZE_BASED_WRAP.", minimum=0
-    )
-    activation_checkpointing: bool = _option(
-        False, "Recompute each wrapped block's activations in backward to save memory."
-    )
-    state_dict_type: str = _option(
-        "SHARDED_STATE_DICT",
-        "How save_state writes the model: each rank its shards, or one full state dict.",
-        choices=("SHARDED_STATE_DICT", "FULL_STATE_DICT"),
-    )
-
-
-@dataclass(frozen=True)
-class DeepSpeedOptions:
-    """DeepSpeed ZeRO (an optional extra, CUDA only), used when strategy is deepspeed."""
-
-    zero_stage: int = _option(
-        2,
-        "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.",
-        choices=(0, 1, 2, 3),
-        accelerate_env="ACCELERATE_DEEPSPEED_ZERO_STAGE",
-    )
-    offload_optimizer_device: str = _option(
-        "none",
-        "Where ZeRO keeps optimizer state: none (GPU), cpu or nvme.",
-        choices=("none", "cpu", "nvme"),
-        accelerate_env="ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-    )
-    offload_param_device: str = _option(
-        "none",
-        "Where ZeRO-3 keeps parameters: none (GPU), cpu or nvme.",
-        choices=("none", "cpu", "nvme"),
-        accelerate_env="ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-    )
-    config_file: str = _option(
-        "",
-        "A DeepSpeed JSON config; 'auto' values in it are filled from this run.",
-        accelerate_env="ACCELERATE_DEEPSPEED_CONFIG_FILE",
-    )
 
 
 @dataclass(frozen=True)
@@ -114,47 +40,47 @@ class Config:
     nbaccel.errors.ConfigError: mixed_precision='fp32' is not one of 'no', 'fp16', 'bf16'.
     """
 
-    num_processes: int | None = _option(
+    num_processes: int | None = schema_field(
         None,
         "Worker processes per machine. Default: one per visible GPU, else 1.",
         minimum=1,
     )
-    num_machines: int = _option(
+    num_machines: int = schema_field(
         1, "Machines taking part (multi-node via nbaccel launch).", minimum=1
     )
-    machine_rank: int = _option(0, "This machine's rank, 0 .. num_machines-1.", minimum=0)
-    main_process_ip: str = _option(
+    machine_rank: int = schema_field(0, "This machine's rank, 0 .. num_machines-1.", minimum=0)
+    main_process_ip: str = schema_field(
         "127.0.0.1", "Address of machine 0 (its rendezvous store), reachable from every machine."
     )
-    main_process_port: int | None = _option(
+    main_process_port: int | None = schema_field(
         None,
         "Rendezvous port on machine 0. Default: a free port on one machine, 29500 on several.",
         minimum=1,
     )
-    use_cpu: bool = _option(
+    use_cpu: bool = schema_field(
         False,
         "Run CPU processes (gloo) even when GPUs are present.",
         accelerate_env="ACCELERATE_USE_CPU",
     )
-    mixed_precision: str = _option(
+    mixed_precision: str = schema_field(
         "no",
         "Autocast precision for the forward pass: no, fp16 (with a loss scaler) or bf16.",
         choices=MIXED_PRECISIONS,
         accelerate_env="ACCELERATE_MIXED_PRECISION",
     )
-    gradient_accumulation_steps: int = _option(
+    gradient_accumulation_steps: int = schema_field(
         1,
         "Micro-batches whose gradients are summed before each optimizer step.",
         accelerate_env="ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
         minimum=1,
     )
-    max_grad_norm: float | None = _option(
+    max_grad_norm: float | None = schema_field(
         None,
         "Clip the gradient norm to this value before each step (none: no clipping).",
         accelerate_env="ACCELERATE_GRADIENT_CLIPPING",
         minimum=0.0,
     )
-    strategy: str = _option(
+    strategy: str = schema_field(
         "auto",
         "How the model is distributed: auto (DDP with several processes, XLA on TPUs), ddp, "
         "fsdp, deepspeed or xla.",
@@ -164,40 +90,40 @@ class Config:
     deepspeed: DeepSpeedOptions = field(
         default_factory=DeepSpeedOptions, metadata={"help": DeepSpeedOptions.__doc__}
     )
-    dynamo_backend: str = _option(
+    dynamo_backend: str = schema_field(
         "no",
         "torch.compile the model in prepare() with this backend (no: eager).",
         choices=DYNAMO_BACKENDS,
     )
-    log_with: tuple[str, ...] = _option(
+    log_with: tuple[str, ...] = schema_field(
         (),
         "Experiment trackers fed by Accelerator.log (comma list): tensorboard, csv, jsonl, "
         "wandb, mlflow.",
         choices=TRACKERS,
     )
-    project_dir: str = _option(
+    project_dir: str = schema_field(
         "", "Folder for trackers' files and checkpoints. Default: the run's run_dir."
     )
-    init_process_group: bool = _option(
+    init_process_group: bool = schema_field(
         True,
         "Initialise torch.distributed's default group before calling the function. "
         "Turn off if the function calls init_process_group() itself.",
     )
-    collective_timeout: float = _option(
+    collective_timeout: float = schema_field(
         1800.0,
         "Seconds a rank may wait in a collective before the run fails, naming the stuck ranks.",
         minimum=0.001,
     )
-    rdzv_timeout: float = _option(
+    rdzv_timeout: float = schema_field(
         900.0,
         "Seconds to wait for every machine to join the rendezvous (multi-node).",
         minimum=0.001,
     )
-    log_ranks: str = _option(
+    log_ranks: str = schema_field(
         "0",
         "Ranks whose output is shown live: '0', 'all', or a comma list such as '0,1'.",
     )
-    runs_dir: str = _option(
+    runs_dir: str = schema_field(
         "nbaccel_runs",
         "Folder under which each run gets its own run_dir (config, per-rank logs, events).",
     )

@@ -35,15 +35,12 @@ from nbaccel.events import (
     RunStarted,
     RunState,
 )
-from nbaccel.launcher.failures import Failure, build_error, choose_culprit
+from nbaccel.launcher.arbiter import Arbiter
+from nbaccel.launcher.failures import Failure, build_error
 from nbaccel.launcher.helper import HelperProcess
 from nbaccel.launcher.output import LineSplitter, render
 
-ARBITRATION_SECONDS = 0.5  # collect peers' failures before naming the culprit
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
-FAILURE_ESCALATION = ((0.0, signal.SIGTERM), (1.0, signal.SIGKILL))
-STOP_ESCALATION = ((0.0, signal.SIGINT), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
-HANG_ESCALATION = ((0.0, signal.SIGUSR1), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
 
 Subscriber = Callable[[Event], None]
 
@@ -86,13 +83,7 @@ class Run:
         os.set_blocking(self._wake_write, False)
         self._wake_lock = threading.Lock()
         self._ranks: list[_Rank] = []
-        self._failures: list[Failure] = []
-        self._culprit: Failure | None = None
-        self._stuck: list[int] = []
-        self._cancel_requested = False
-        self._escalation: list[tuple[float, int]] = []
-        self._escalation_ranks: list[int] | None = None
-        self._decide_at: float | None = None
+        self._arbiter = Arbiter()
         self._drain_deadline: float | None = None
         self._error: BaseException | None = None
         self._results_cache: dict[int, Any] = {}
@@ -124,9 +115,10 @@ class Run:
             return None
         if self._state is RunState.SUCCEEDED:
             return 0
-        if self._state is RunState.CANCELLED or self._culprit is None:
+        culprit = self._arbiter.culprit
+        if self._state is RunState.CANCELLED or culprit is None:
             return 130 if self._state is RunState.CANCELLED else 1
-        status = self._ranks[self._culprit.rank].exitcode
+        status = self._ranks[culprit.rank].exitcode
         if status is None or status == 0:
             return 1
         return 128 - status if status < 0 else status
@@ -292,9 +284,7 @@ class Run:
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]
         if op == "stop":
-            if not self._cancel_requested and self._culprit is None:
-                self._cancel_requested = True
-                self._escalate(STOP_ESCALATION, None)
+            self._arbiter.cancel(time.monotonic())
         elif op == "spawned":
             self._ranks[message["rank"]].pid = message["pid"]
         elif op == "exited":
@@ -314,55 +304,23 @@ class Run:
         r.exitcode = status
         self._record({"event": "exited", "rank": r.rank, "exitcode": status})
         self._emit(RankExited(r.rank, status, time.time()))
-        if not r.has_result and not self._cancel_requested:
+        if not r.has_result and not self._arbiter.cancelled:
             self._fail(Failure(r.rank, "exit", time.time(), exitcode=status))
         if all(x.exitcode is not None for x in self._ranks):
             self._drain_deadline = time.monotonic() + DRAIN_SECONDS
 
     def _fail(self, failure: Failure) -> None:
-        if self._cancel_requested or self._culprit is not None:
-            return  # collateral of a failure already decided, or of a stop
-        if any(f.rank == failure.rank for f in self._failures):
-            return  # the exit that follows a reported error
-        self._failures.append(failure)
-        if self._decide_at is None:
-            self._decide_at = time.monotonic() + ARBITRATION_SECONDS
+        self._arbiter.fail(failure, time.monotonic())
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        everyone_exited = all(r.exitcode is not None for r in self._ranks)
-        if (
-            self._decide_at is not None
-            and self._culprit is None
-            and (now >= self._decide_at or everyone_exited)
-        ):
-            self._culprit = choose_culprit(self._failures)
-            if self._culprit.cause == "timeout":
-                failed = {f.rank for f in self._failures}
-                self._stuck = [
-                    r.rank for r in self._ranks if r.exitcode is None and r.rank not in failed
-                ]
-                self._escalate(HANG_ESCALATION, self._stuck)
-            else:
-                self._escalate(FAILURE_ESCALATION, None)
-        while self._escalation and self._escalation[0][0] <= now:
-            _, signum = self._escalation.pop(0)
-            ranks = self._escalation_ranks if signum == signal.SIGUSR1 else None
-            if any(r.exitcode is None for r in self._ranks) and self._helper is not None:
+        live = [r.rank for r in self._ranks if r.exitcode is None]
+        everyone_exited = not live
+        for signum, ranks in self._arbiter.due(time.monotonic(), live, everyone_exited):
+            if self._helper is not None:
                 self._helper.signal(self.run_id, signum, ranks)
 
-    def _escalate(self, steps: tuple[tuple[float, int], ...], ranks: list[int] | None) -> None:
-        start = time.monotonic()
-        self._escalation = [(start + delay, int(signum)) for delay, signum in steps]
-        self._escalation_ranks = ranks
-
     def _select_timeout(self) -> float | None:
-        deadlines = [
-            d
-            for d in (self._decide_at if self._culprit is None else None, self._drain_deadline)
-            if d
-        ]
-        deadlines += [when for when, _ in self._escalation[:1]]
+        deadlines = [d for d in (self._arbiter.next_deadline(), self._drain_deadline) if d]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _finished(self) -> bool:
@@ -374,19 +332,18 @@ class Run:
         )
 
     def _finalize(self) -> None:
-        if self._culprit is None and self._failures:
-            self._culprit = choose_culprit(self._failures)
-        if self._culprit is not None:
-            stuck_logs = {r: "\n".join(self.logs(r).splitlines()[-20:]) for r in self._stuck}
+        culprit, stuck = self._arbiter.final_culprit(), self._arbiter.stuck
+        if culprit is not None:
+            stuck_logs = {r: "\n".join(self.logs(r).splitlines()[-20:]) for r in stuck}
             self._error = build_error(
-                self._culprit,
+                culprit,
                 world_size=self.world_size,
                 collective_timeout=self.config.collective_timeout,
-                stuck_ranks=self._stuck,
+                stuck_ranks=stuck,
                 stuck_logs=stuck_logs,
             )
             state = RunState.FAILED
-        elif self._cancel_requested and not all(r.has_result for r in self._ranks):
+        elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks):
             state = RunState.CANCELLED
         else:
             state = RunState.SUCCEEDED

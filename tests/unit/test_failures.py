@@ -127,3 +127,32 @@ def test_launcher_side_error_is_passed_through() -> None:
         build_error(Failure(0, "error", 0.0, error=boom), world_size=2, collective_timeout=1)
         is boom
     )
+
+
+def test_arbiter_schedules_hang_dumps_then_stops_and_ignores_collateral() -> None:
+    from nbaccel.launcher.arbiter import Arbiter
+
+    arbiter = Arbiter()
+    arbiter.fail(Failure(0, "timeout", 1.0), now=100.0)
+    assert arbiter.next_deadline() == 100.5
+    signals = arbiter.due(now=100.5, live=[0, 1, 2], everyone_exited=False)
+    assert signals == [(signal.SIGUSR1, [1, 2])] and arbiter.stuck == [1, 2]
+    arbiter.fail(Failure(1, "error", 2.0), now=100.6)  # after the decision: collateral
+    assert arbiter.culprit is not None and arbiter.culprit.rank == 0
+    assert arbiter.due(now=101.0, live=[1], everyone_exited=False) == [(signal.SIGTERM, None)]
+    assert arbiter.due(now=102.0, live=[1], everyone_exited=False) == [(signal.SIGKILL, None)]
+    assert arbiter.next_deadline() is None
+
+
+def test_arbiter_stop_and_early_decision_when_everyone_exited() -> None:
+    from nbaccel.launcher.arbiter import Arbiter
+
+    stopped = Arbiter()
+    stopped.cancel(now=0.0)
+    stopped.fail(Failure(0, "error", 0.1), now=0.1)  # KeyboardInterrupt reports: ignored
+    assert stopped.failures == [] and stopped.due(0.0, [0, 1], False) == [(signal.SIGINT, None)]
+    assert stopped.due(0.5, [], True) == []  # nobody left to signal
+    early = Arbiter()
+    early.fail(Failure(1, "error", 0.0), now=0.0)
+    assert early.due(now=0.01, live=[], everyone_exited=True) == []
+    assert early.culprit is not None and early.culprit.rank == 1

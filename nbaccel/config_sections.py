@@ -1,0 +1,87 @@
+"""The nested sections of the config schema (``fsdp``, ``deepspeed``) and the field helper.
+
+Split from ``nbaccel.config`` to keep modules small; ``nbaccel.config`` re-exports them.
+Plain data, stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def schema_field(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    accelerate_env: str | None = None,
+    minimum: float | None = None,
+) -> Any:
+    meta = {"help": help, "choices": choices, "accelerate_env": accelerate_env, "minimum": minimum}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """Fully Sharded Data Parallel (PyTorch's ``fully_shard``), used when strategy is fsdp."""
+
+    sharding_strategy: str = schema_field(
+        "FULL_SHARD",
+        "What is sharded: FULL_SHARD (params, grads, optimizer state: ZeRO-3), SHARD_GRAD_OP "
+        "(grads and optimizer state: ZeRO-2), NO_SHARD (plain DDP), HYBRID_SHARD (full "
+        "shard within a machine, replicate across machines).",
+        choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+    )
+    cpu_offload: bool = schema_field(False, "Keep sharded parameters in CPU memory between uses.")
+    auto_wrap_policy: str = schema_field(
+        "TRANSFORMER_BASED_WRAP",
+        "Which submodules become their own shard unit: by transformer layer class, by size, "
+        "or none (the whole model is one unit).",
+        choices=("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"),
+    )
+    transformer_layer_cls: str = schema_field(
+        "",
+        "Comma list of layer class names to wrap (e.g. 'LlamaDecoderLayer'); empty: the "
+        "model's _no_split_modules.",
+    )
+    min_num_params: int = schema_field(
+        100_000_000, "Smallest submodule (in parameters) wrapped by SIZE_BASED_WRAP.", minimum=0
+    )
+    activation_checkpointing: bool = schema_field(
+        False, "Recompute each wrapped block's activations in backward to save memory."
+    )
+    state_dict_type: str = schema_field(
+        "SHARDED_STATE_DICT",
+        "How save_state writes the model: each rank its shards, or one full state dict.",
+        choices=("SHARDED_STATE_DICT", "FULL_STATE_DICT"),
+    )
+
+
+@dataclass(frozen=True)
+class DeepSpeedOptions:
+    """DeepSpeed ZeRO (an optional extra, CUDA only), used when strategy is deepspeed."""
+
+    zero_stage: int = schema_field(
+        2,
+        "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.",
+        choices=(0, 1, 2, 3),
+        accelerate_env="ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    )
+    offload_optimizer_device: str = schema_field(
+        "none",
+        "Where ZeRO keeps optimizer state: none (GPU), cpu or nvme.",
+        choices=("none", "cpu", "nvme"),
+        accelerate_env="ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    )
+    offload_param_device: str = schema_field(
+        "none",
+        "Where ZeRO-3 keeps parameters: none (GPU), cpu or nvme.",
+        choices=("none", "cpu", "nvme"),
+        accelerate_env="ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    )
+    config_file: str = schema_field(
+        "",
+        "A DeepSpeed JSON config; 'auto' values in it are filled from this run.",
+        accelerate_env="ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    )
