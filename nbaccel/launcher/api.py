@@ -109,7 +109,8 @@ def _start(
     if num_processes is not None:
         explicit["num_processes"] = num_processes
     resolved = resolve(explicit, env=os.environ, config=config)
-    world_size = plan_world_size(resolved.config, os.environ)
+    gpus = 0 if resolved.config.use_cpu else visible_gpu_count(os.environ)  # once: NVML is slow
+    world_size = plan_world_size(resolved.config, os.environ, gpus)
     payload = build_payload(function, tuple(args), kwargs or {}, resolved.config)
 
     helper = shared_helper()  # started on first use; it imports torch while we go on
@@ -134,7 +135,7 @@ def _start(
         requests = [
             {
                 "context": context,
-                "env": worker_env(context, resolved.config, os.environ),
+                "env": worker_env(context, resolved.config, os.environ, on_cpu=not gpus),
                 "cwd": os.getcwd(),
             }
             for context in _contexts(run_id, world_size, port)
@@ -187,9 +188,10 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None  # looks, never imports
 
 
-def plan_world_size(config: Config, env: Mapping[str, str]) -> int:
+def plan_world_size(config: Config, env: Mapping[str, str], gpus: int | None = None) -> int:
     """Worker count for this machine, checked against the GPUs that are visible."""
-    gpus = 0 if config.use_cpu else visible_gpu_count(env)
+    if gpus is None:
+        gpus = 0 if config.use_cpu else visible_gpu_count(env)
     check_environment(config, gpus, _installed)
     if config.num_processes is None:
         return max(gpus, 1)
@@ -203,12 +205,14 @@ def plan_world_size(config: Config, env: Mapping[str, str]) -> int:
     return config.num_processes
 
 
-def worker_env(context: ProcessContext, config: Config, base: Mapping[str, str]) -> dict[str, str]:
+def worker_env(
+    context: ProcessContext, config: Config, base: Mapping[str, str], *, on_cpu: bool
+) -> dict[str, str]:
     """One worker's environment: the parent's, plus torch.distributed and Accelerate variables."""
     env = dict(base)
     env.update(context.torch_env())
     # What Hugging Face Accelerate reads, so code written for it runs unchanged.
-    env.update(accelerate_env(config, on_cpu=config.use_cpu or not visible_gpu_count(base)))
+    env.update(accelerate_env(config, on_cpu=on_cpu))
     # Threads are sized once per worker (torch.set_num_threads reads this in the worker).
     env.setdefault(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // context.local_world_size))

@@ -79,7 +79,7 @@ def test_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
     context = ProcessContext(1, 1, 2, 2, 0, "127.0.0.1", 40123, "r")
     base = {"PATH": "/bin", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
     env = api.worker_env(
-        context, Config(mixed_precision="bf16", gradient_accumulation_steps=4), base
+        context, Config(mixed_precision="bf16", gradient_accumulation_steps=4), base, on_cpu=True
     )
     assert env["RANK"] == "1" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "2"
     assert env["LOCAL_WORLD_SIZE"] == "2" and env["NODE_RANK"] == "0"
