@@ -1,12 +1,32 @@
-"""Shared test settings: tests marked ``cuda`` run only where a GPU is visible."""
+"""Shared test settings.
+
+Tests marked ``cuda`` run only where a GPU is visible. Default config files are looked up in
+an empty folder, so a developer's own ~/.config/nbaccel or Accelerate default config never
+changes what the tests launch.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from nbaccel.devices import visible_gpu_count
+
+_HOME = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    isolated = tempfile.mkdtemp(prefix="nbaccel-test-home-")
+    config.stash[_HOME] = isolated
+    os.environ["NBACCEL_HOME"] = isolated
+    os.environ["HF_HOME"] = os.path.join(isolated, "huggingface")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(config.stash.get(_HOME, ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

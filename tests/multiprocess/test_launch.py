@@ -308,3 +308,40 @@ def test_helper_death_fails_the_run_and_the_next_launch_recovers(runs_dir: str) 
         )
         == 1.0
     )
+
+
+def what_the_worker_got() -> tuple:
+    import torch.distributed as dist
+
+    session = nbaccel.active_session()
+    assert session is not None
+    return (
+        dist.get_world_size(),
+        session.config.mixed_precision,
+        os.environ["ACCELERATE_MIXED_PRECISION"],
+        session.config.gradient_accumulation_steps,
+    )
+
+
+def test_config_file_and_config_object_use_the_same_resolution(
+    tmp_path: Path, runs_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nbaccel.config_files import save
+
+    path = save(nbaccel.Config(num_processes=2, mixed_precision="bf16"), tmp_path / "run.yaml")
+    monkeypatch.setenv("NBACCEL_GRADIENT_ACCUMULATION_STEPS", "3")  # env fills what is unset
+    from_file = nbaccel.notebook_launcher(what_the_worker_got, config=str(path), runs_dir=runs_dir)
+    assert from_file == (2, "bf16", "bf16", 3)
+    from_object = nbaccel.notebook_launcher(
+        what_the_worker_got,
+        config=nbaccel.Config(num_processes=2, mixed_precision="fp16"),
+        runs_dir=runs_dir,
+    )
+    assert from_object == (2, "fp16", "fp16", 3)
+    # Keyword arguments beat the file.
+    assert (
+        nbaccel.notebook_launcher(
+            what_the_worker_got, config=path, mixed_precision="no", runs_dir=runs_dir
+        )[1]
+        == "no"
+    )
