@@ -3,7 +3,7 @@
 One helper serves every launch of a kernel (that is what makes later launches as fast as a
 fork). It is started from a clean interpreter with ``subprocess``, so it never inherits the
 kernel's CUDA context, threads or sockets. A reader thread routes the helper's replies
-(pids, exit codes) to the run they belong to. If the helper dies, runs in flight fail with
+(exit codes, spawn failures) to the run they belong to. If the helper dies, runs in flight fail with
 HelperError and the next launch starts a new one.
 """
 
@@ -22,7 +22,6 @@ from nbaccel.errors import HelperError
 from nbaccel.launcher import control
 
 HelperListener = Callable[[dict[str, Any]], None]
-READY_TIMEOUT_SECONDS = 300.0
 
 
 class HelperProcess:
@@ -58,7 +57,6 @@ class HelperProcess:
         self._send_lock = threading.Lock()
         self._listeners: dict[str, HelperListener] = {}
         self._listeners_lock = threading.Lock()
-        self._ready = threading.Event()
         self._failure: str | None = None
         self._alive = True
         self._reader = threading.Thread(target=self._read_loop, name="nbaccel-helper", daemon=True)
@@ -81,18 +79,12 @@ class HelperProcess:
             self._listeners.pop(run_id, None)
 
     def spawn(self, request: dict[str, Any], fds: list[int]) -> None:
-        """Ask for one worker; the reply (pid or failure) goes to the run's listener."""
+        """Ask for one worker; its exit code (or a spawn failure) goes to the run's listener."""
         self._send({"op": "spawn", **request}, fds)
 
     def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
         """Send ``signum`` to the process groups of a run's live workers."""
         self._send({"op": "signal", "run": run_id, "signal": int(signum), "ranks": ranks})
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
-        if not self._ready.wait(timeout):
-            raise HelperError(f"the nbaccel helper did not start within {timeout:.0f} s")
-        if self._failure is not None:
-            raise HelperError(self._failure)
 
     def close(self) -> None:
         """Stop the helper: it kills its workers and exits when the socket closes."""
@@ -128,14 +120,13 @@ class HelperProcess:
                 break
             op = message["op"]
             if op == "ready":
-                self._ready.set()
-            elif op == "failed":
+                continue  # requests were queued on the socket meanwhile: nothing to wait for
+            if op == "failed":
                 self._failure = (
                     "the nbaccel helper process could not preload torch and nbaccel's worker "
                     "code. Check that torch is installed for "
                     f"{sys.executable}:\n{message['error']}"
                 )
-                self._ready.set()
             else:
                 with self._listeners_lock:
                     listener = self._listeners.get(message.get("run", ""))
@@ -145,7 +136,6 @@ class HelperProcess:
         code = self._process.wait()
         if self._failure is None:
             self._failure = f"the nbaccel helper process exited (code {code})"
-        self._ready.set()
         with self._listeners_lock:
             listeners = list(self._listeners.values())
         for listener in listeners:

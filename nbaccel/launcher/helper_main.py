@@ -83,7 +83,6 @@ class Helper:
             self.reply({**_ids(message), "op": "spawn_failed", "error": error})
             return
         self.workers[pid] = (message["run"], message["rank"])
-        self.reply({**_ids(message), "op": "spawned", "pid": pid})
 
     def _hand_to_spare(self, message: dict[str, Any], fds: list[int]) -> int | None:
         """Send the request to an idle spare (forking one if none is left); its pid or None."""

@@ -53,7 +53,6 @@ class _Rank:
     event_fd: int
     splitter: LineSplitter = field(default_factory=LineSplitter)
     decoder: FrameDecoder = field(default_factory=FrameDecoder)
-    pid: int | None = None
     exitcode: int | None = None
     result: bytes | None = None
     has_result: bool = False
@@ -285,8 +284,6 @@ class Run:
         op = message["op"]
         if op == "stop":
             self._arbiter.cancel(time.monotonic())
-        elif op == "spawned":
-            self._ranks[message["rank"]].pid = message["pid"]
         elif op == "exited":
             self._on_exit(self._ranks[message["rank"]], message["status"], selector)
         elif op in ("spawn_failed", "helper_died"):
