@@ -20,7 +20,7 @@ from nbaccel.cli_flags import add_config_flags, explicit_values
 from nbaccel.launcher.script import run_script
 from nbaccel.resolve import resolve
 
-# What `nbaccel launch` changes from the notebook defaults, unless given: scripts written for
+# `nbaccel launch`'s own defaults (a file, env or flag still wins): scripts written for
 # torchrun call init_process_group() themselves, and a terminal shows every rank, labelled.
 SCRIPT_DEFAULTS: dict[str, Any] = {"init_process_group": False, "log_ranks": "all"}
 
@@ -47,15 +47,18 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    explicit = {**SCRIPT_DEFAULTS, **explicit_values(args)}
-    config = resolve(explicit, env=os.environ, config=args.config_file).config
+    config = resolve(
+        explicit_values(args), env=os.environ, config=args.config_file, defaults=SCRIPT_DEFAULTS
+    ).config
     if not args.module and not Path(args.target).is_file():
         print(f"nbaccel: no script at {args.target!r} (use -m for a module).", file=sys.stderr)
         return 2
     if config.num_machines > 1:
         from nbaccel.launcher.elastic import launch_machines
 
-        run_dir = Path(config.runs_dir).resolve() / time.strftime("%Y%m%d-%H%M%S-elastic")
+        # One folder per machine: several "machines" may share a host and a working folder.
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(config.runs_dir).resolve() / f"{stamp}-elastic-m{config.machine_rank}"
         return launch_machines(config, args.target, args.module, list(args.target_args), run_dir)
     run_ = nbaccel.launch(
         run_script,

@@ -65,10 +65,13 @@ def resolve(
     env: Mapping[str, str],
     config: Config | Mapping[str, Any] | str | Path | None = None,
     use_default_file: bool = True,
+    defaults: Mapping[str, Any] | None = None,
 ) -> Resolved:
     """Build the run's Config from every source, failing early with the source of a bad value.
 
     ``config`` is a Config or mapping (given in code), or the path of a YAML file.
+    ``defaults`` replaces built-in defaults for one caller (``nbaccel launch`` runs scripts
+    that initialise their own process group): files, env and arguments still win.
 
     >>> r = resolve({"num_processes": 2}, env={"NBACCEL_MIXED_PRECISION": "bf16"})
     >>> r.config.num_processes, r.config.mixed_precision, r.sources["mixed_precision"]
@@ -85,6 +88,7 @@ def resolve(
             values[name] = value
             sources[name] = source
 
+    take(dict(defaults or {}), "default")
     if use_default_file and (path := default_file(env)) is not None:
         take(load_file(path), f"file:{path}")
     named = config if isinstance(config, (str, Path)) else env.get("NBACCEL_CONFIG")

@@ -71,6 +71,31 @@ def test_exit_code_and_traceback_of_the_failing_rank(workdir: Path) -> None:
     assert "runpy" not in result.stderr  # the traceback starts in the user's script
 
 
+def test_env_and_files_beat_the_launch_defaults(workdir: Path) -> None:
+    # The script does not initialise torch.distributed; NBACCEL_INIT_PROCESS_GROUP asks
+    # nbaccel to, although `nbaccel launch` defaults to leaving it to the script.
+    (workdir / "uses_group.py").write_text(
+        "import torch, torch.distributed as dist\n"
+        "t = torch.ones(1); dist.all_reduce(t); print('sum', t.item())\n"
+    )
+    env = {
+        **os.environ,
+        "HOME": str(workdir),
+        "NBACCEL_INIT_PROCESS_GROUP": "true",
+        "NBACCEL_LOG_RANKS": "0",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "nbaccel.cli", "launch", "--num_processes", "2", "uses_group.py"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=workdir,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "sum 2.0" in result.stdout and "[rank 1]" not in result.stdout
+
+
 def test_bad_input_is_refused_before_anything_runs(workdir: Path) -> None:
     bad = nbaccel_cli("launch", "--mixed_precision", "fp64", "train.py", cwd=workdir)
     assert bad.returncode == 2 and "'no', 'fp16', 'bf16'" in bad.stderr
@@ -109,6 +134,8 @@ def test_two_launchers_as_two_machines(workdir: Path) -> None:
         for rank in (0, 1)
     ]
     outputs = [m.communicate(timeout=200) for m in machines]
+    runs = sorted(p.name.rsplit("-", 1)[-1] for p in (workdir / "nbaccel_runs").iterdir())
+    assert runs == ["m0", "m1"]  # each machine keeps its own logs
     for machine, (_out, err) in zip(machines, outputs, strict=True):
         assert machine.returncode == 0, err  # 0, not 134: no SIGABRT at worker exit
     printed = "".join(out for out, _ in outputs)

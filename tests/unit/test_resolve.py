@@ -86,3 +86,18 @@ def test_resolve_never_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("NBACCEL_MIXED_PRECISION", "bf16")
     assert resolve(env={}).config.mixed_precision == "no"
     assert os.environ["NBACCEL_MIXED_PRECISION"] == "bf16"
+
+
+def test_caller_defaults_sit_below_files_env_and_arguments(tmp_path: Path) -> None:
+    # What `nbaccel launch` does for scripts: its defaults must not override the user's.
+    path = tmp_path / "c.yaml"
+    path.write_text("init_process_group: true\n")
+    defaults = {"init_process_group": False, "log_ranks": "all"}
+    resolved = resolve(env={"NBACCEL_LOG_RANKS": "0"}, config=path, defaults=defaults)
+    assert resolved.config.init_process_group is True
+    assert resolved.config.log_ranks == "0"
+    plain = resolve(env={}, defaults=defaults)
+    assert plain.config.init_process_group is False
+    assert plain.sources["init_process_group"] == "default"
+    with pytest.raises(ConfigError, match="Did you mean 'log_ranks'"):
+        resolve(env={}, defaults={"log_rank": "all"})
