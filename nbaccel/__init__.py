@@ -11,6 +11,8 @@ only the worker processes load torch.
 2
 """
 
+from typing import TYPE_CHECKING, Any
+
 from nbaccel.config import Config
 from nbaccel.context import ProcessContext, active_session
 from nbaccel.errors import (
@@ -28,10 +30,26 @@ from nbaccel.launcher.run import Run
 from nbaccel.metrics import log_metrics
 from nbaccel.resolve import resolve
 
+if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel never imports torch
+    from nbaccel.accel import Accelerator, DistributedType
+
+_WORKER_SIDE = {"Accelerator", "DistributedType"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WORKER_SIDE:
+        import nbaccel.accel
+
+        return getattr(nbaccel.accel, name)
+    raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
+
+
 __all__ = [
+    "Accelerator",
     "CollectiveTimeout",
     "Config",
     "ConfigError",
+    "DistributedType",
     "HelperError",
     "ProcessContext",
     "RemoteTraceback",

@@ -33,6 +33,9 @@ class ProcessContext:
     master_addr: str
     master_port: int
     run_id: str
+    # The run's folder on this machine (trackers and checkpoints default under it); empty
+    # when the launcher has none (scripts started by torchrun).
+    run_dir: str = ""
 
     @property
     def is_main_process(self) -> bool:

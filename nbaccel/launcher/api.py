@@ -138,7 +138,7 @@ def _start(
                 "env": worker_env(context, resolved.config, os.environ, on_cpu=not gpus),
                 "cwd": os.getcwd(),
             }
-            for context in _contexts(run_id, world_size, port)
+            for context in _contexts(run_id, world_size, port, run_dir)
         ]
         run.start(helper, requests, payload_file.fileno(), listener.fileno())
     return run
@@ -223,7 +223,7 @@ def worker_env(
     return env
 
 
-def _contexts(run_id: str, world_size: int, port: int) -> list[ProcessContext]:
+def _contexts(run_id: str, world_size: int, port: int, run_dir: Path) -> list[ProcessContext]:
     return [
         ProcessContext(
             rank=rank,
@@ -234,6 +234,7 @@ def _contexts(run_id: str, world_size: int, port: int) -> list[ProcessContext]:
             master_addr="127.0.0.1",
             master_port=port,
             run_id=run_id,
+            run_dir=str(run_dir),
         )
         for rank in range(world_size)
     ]

@@ -30,7 +30,15 @@ def test_docstring_examples(name: str, tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_public_api_has_runnable_examples() -> None:
-    for name in ("launch", "notebook_launcher", "Config", "Run", "log_metrics", "resolve"):
+    for name in (
+        "launch",
+        "notebook_launcher",
+        "Config",
+        "Run",
+        "log_metrics",
+        "resolve",
+        "Accelerator",
+    ):
         assert ">>>" in (getattr(nbaccel, name).__doc__ or ""), name
 
 

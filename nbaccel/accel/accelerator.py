@@ -1,0 +1,383 @@
+"""``Accelerator``: the training-loop API of Hugging Face Accelerate, run by nbaccel.
+
+A thin facade: ``ProcessState`` says who this process is, ``Precision`` owns autocast and
+the loss scaler, ``models`` wraps modules (DDP, compile), ``data`` shards loaders,
+``optim`` makes optimizer and scheduler accumulation-aware, ``checkpoint`` saves and
+restores, ``trackers`` record ``log`` calls. Settings come from the launch that started
+this worker (``notebook_launcher(..., mixed_precision="bf16")``); explicit arguments win.
+Outside nbaccel (torchrun, a plain script) they come from ``NBACCEL_*`` / ``ACCELERATE_*``
+environment variables and the default config file, as in ``nbaccel.resolve``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from nbaccel.accel import checkpoint, models
+from nbaccel.accel.coordination import ProcessCoordination
+from nbaccel.accel.data import (
+    PreparedDataLoader,
+    PreparedIterableLoader,
+    ShardPlan,
+    is_iterable_dataset,
+)
+from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, GradientState
+from nbaccel.accel.precision import Precision
+from nbaccel.accel.state import DistributedType, ProcessState, detect_process_state
+from nbaccel.accel.trackers import Tracker, start_trackers
+from nbaccel.config import Config
+from nbaccel.context import active_session
+from nbaccel.metrics import log_metrics
+from nbaccel.resolve import resolve
+
+_SCHEDULER_TYPES: tuple[type, ...] = (
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+)
+
+
+class Accelerator(ProcessCoordination):
+    """Runs one training loop correctly on 1 process, N CPU processes or N GPUs.
+
+    >>> import torch
+    >>> acc = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> model, opt = acc.prepare(model, opt)
+    >>> for _ in range(2):
+    ...     with acc.accumulate(model):
+    ...         loss = model(torch.ones(8, 4)).pow(2).mean()
+    ...         acc.backward(loss)
+    ...         opt.step(); opt.zero_grad()
+    >>> acc.step, acc.sync_gradients, acc.num_processes, str(acc.device)
+    (2, True, 1, 'cpu')
+    """
+
+    def __init__(
+        self,
+        *,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        cpu: bool | None = None,
+        log_with: str | list[str] | tuple[str, ...] | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
+        dynamo_backend: str | None = None,
+        device_placement: bool = True,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        step_scheduler_with_optimizer: bool = True,
+        ddp_kwargs: dict[str, Any] | None = None,
+        config: Config | None = None,
+    ) -> None:
+        explicit = {
+            "mixed_precision": mixed_precision,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "use_cpu": cpu,
+            "log_with": (log_with,) if isinstance(log_with, str) else log_with,
+            "project_dir": os.fspath(project_dir) if project_dir is not None else None,
+            "dynamo_backend": dynamo_backend,
+        }
+        # Validated here (ConfigError naming the choices) before any state is touched.
+        self.config = _base_config(config).replace(
+            **{k: v for k, v in explicit.items() if v is not None}
+        )
+        self.state: ProcessState = detect_process_state(self.config)
+        self.precision = Precision(self.config.mixed_precision, self.state.device)
+        self.gradients = GradientState(accumulation_steps=self.config.gradient_accumulation_steps)
+        self.device_placement = device_placement
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.ddp_kwargs = dict(ddp_kwargs or {})
+        self.step = 0  # accumulate() calls so far: micro-steps
+        self.trackers: list[Tracker] = []
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader | PreparedIterableLoader] = []
+        self._custom: list[Any] = []
+
+    # -- who and where -------------------------------------------------------------------
+    device = property(lambda self: self.state.device)
+    process_index = property(lambda self: self.state.rank)
+    local_process_index = property(lambda self: self.state.local_rank)
+    num_processes = property(lambda self: self.state.world_size)
+    mixed_precision = property(lambda self: self.config.mixed_precision)
+    gradient_accumulation_steps = property(lambda self: self.gradients.accumulation_steps)
+    sync_gradients = property(lambda self: self.gradients.sync_gradients)
+    scaler = property(lambda self: self.precision.scaler)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last step was skipped for inf/NaN fp16 gradients."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    @property
+    def project_dir(self) -> Path:
+        """Where trackers write: ``project_dir`` from the config, else the run's folder."""
+        return Path(self.config.project_dir or self.state.run_dir or ".")
+
+    # -- prepare ---------------------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+        """Wrap models, optimizers, schedulers and dataloaders, in any order and number.
+
+        Returns them in the order given (one object alone when one was passed).
+        """
+        kinds = [_kind(obj, i) for i, obj in enumerate(objects)]
+        placement = device_placement or [self.device_placement] * len(objects)
+        result: list[Any] = list(objects)
+        # Models first (optimizers hold their parameters), schedulers after optimizers.
+        for wanted in ("model", "optimizer", "scheduler", "dataloader"):
+            for i, (obj, kind) in enumerate(zip(objects, kinds, strict=True)):
+                if kind == wanted:
+                    result[i] = getattr(self, f"_prepare_{kind}")(obj, placement[i])
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _prepare_model(self, model: torch.nn.Module, placement: bool) -> torch.nn.Module:
+        prepared = models.prepare_model(
+            model,
+            self.state,
+            self.precision,
+            device_placement=placement,
+            dynamo_backend=self.config.dynamo_backend,
+            ddp_kwargs=self.ddp_kwargs,
+        )
+        self._models.append(prepared)
+        return prepared
+
+    def _prepare_optimizer(self, optimizer: Any, placement: bool) -> AcceleratedOptimizer:
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        clip = self._config_clip if self.config.max_grad_norm is not None else None
+        wrapped = AcceleratedOptimizer(optimizer, self.gradients, self.precision.scaler, clip)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _prepare_scheduler(self, scheduler: Any, placement: bool) -> AcceleratedScheduler:
+        inner = scheduler.optimizer
+        optimizers = [o for o in self._optimizers if inner in (o, o.optimizer)]
+        steps = 1 if self.split_batches else self.num_processes
+        wrapped = AcceleratedScheduler(
+            scheduler, optimizers, self.gradients, steps, self.step_scheduler_with_optimizer
+        )
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def _prepare_dataloader(self, loader: DataLoader[Any], placement: bool) -> Any:
+        plan = ShardPlan(
+            rank=self.process_index,
+            world_size=self.num_processes,
+            seed=self._shared_seed(),
+            even_batches=self.even_batches,
+            split_batches=self.split_batches,
+        )
+        device = self.device if placement else None
+        kind = PreparedIterableLoader if is_iterable_dataset(loader) else PreparedDataLoader
+        prepared = kind(loader, plan, device, self.gradients)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _shared_seed(self) -> int:
+        # Drawn from the global torch RNG (so torch.manual_seed makes it reproducible) on
+        # rank 0 and broadcast: every rank must shuffle the same way for disjoint shards.
+        seed = torch.randint(0, 2**62, (1,))
+        if self.use_distributed:
+            dist.broadcast(seed, src=0)
+        return int(seed)
+
+    # -- the step --------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, divided by the accumulation steps and scaled for fp16."""
+        if self.gradients.accumulation_steps > 1:
+            loss = loss / self.gradients.accumulation_steps
+        if self.precision.scaler is not None:
+            loss = self.precision.scaler.scale(loss)
+        loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+
+    @contextlib.contextmanager
+    def accumulate(self, *models_: torch.nn.Module) -> Iterator[None]:
+        """One micro-step: gradients sync (and the optimizer steps) every k-th call.
+
+        On the other calls DDP's all-reduce is suspended (``no_sync``) and ``step`` /
+        ``zero_grad`` of prepared optimizers do nothing. The last batch of a prepared
+        dataloader always syncs, so an epoch never ends with gradients left over.
+        """
+        self.step += 1
+        grads = self.gradients
+        grads.micro_steps_in_cycle += 1
+        grads.sync_gradients = (
+            grads.micro_steps_in_cycle >= grads.accumulation_steps or grads.end_of_dataloader
+        )
+        if grads.sync_gradients:  # the next epoch (or cycle) starts a fresh count
+            grads.micro_steps_in_cycle = 0
+        with contextlib.ExitStack() as stack:
+            if not self.gradients.sync_gradients:
+                for model in models_:
+                    stack.enter_context(models.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Suspend the gradient all-reduce of a DDP model (a no-op on one process)."""
+        with models.no_sync(model):
+            yield
+
+    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Autocast for the configured precision, for code outside the model's forward."""
+        return self.precision.autocast(enabled)
+
+    def unscale_gradients(self) -> None:
+        """Unscale the fp16 gradients of every prepared optimizer (once per step)."""
+        for optimizer in self._optimizers:
+            optimizer.unscale_gradients()
+
+    def clip_grad_norm_(
+        self, parameters: Any, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor | None:
+        """Unscale, then clip the gradients' total norm; None while accumulating.
+
+        Clipping a partial accumulation sum is meaningless (and would unscale twice).
+        """
+        if not self.gradients.sync_gradients:
+            return None
+        self._mark_clipped()
+        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Unscale, then clamp each gradient to ``[-clip_value, clip_value]``."""
+        if not self.gradients.sync_gradients:
+            return
+        self._mark_clipped()
+        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
+
+    def _mark_clipped(self) -> None:
+        self.unscale_gradients()
+        for optimizer in self._optimizers:
+            optimizer.clipped = True
+
+    def _config_clip(self, optimizer: AcceleratedOptimizer) -> None:
+        optimizer.unscale_gradients()
+        assert self.config.max_grad_norm is not None
+        torch.nn.utils.clip_grad_norm_(list(optimizer.parameters()), self.config.max_grad_norm)
+
+    # -- models and checkpoints -----------------------------------------------------------
+    def unwrap_model(
+        self,
+        model: torch.nn.Module,
+        keep_fp32_wrapper: bool = True,
+        keep_torch_compile: bool = True,
+    ) -> Any:
+        """The user's module without DDP; without torch.compile and the autocast forward too
+        when asked (Accelerate's defaults keep both, so training goes on unchanged)."""
+        return models.unwrap_model(
+            model, keep_autocast=keep_fp32_wrapper, keep_compile=keep_torch_compile
+        )
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str]) -> None:
+        """Write the consolidated weights to ``save_directory/model.safetensors`` (rank 0)."""
+        inner = models.unwrap_model(model, keep_autocast=True)
+        if self.is_main_process:
+            models.save_model_file(inner, Path(save_directory))
+        self.wait_for_everyone()
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include objects with ``state_dict``/``load_state_dict`` in save/load_state."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(
+                    f"register_for_checkpointing: {type(obj).__name__} has no state_dict() "
+                    "and load_state_dict(); only such objects can be checkpointed."
+                )
+        self._custom.extend(objects)
+
+    def _stateful(self) -> checkpoint.Stateful:
+        return checkpoint.Stateful(
+            models=[models.unwrap_model(m, keep_autocast=True) for m in self._models],
+            optimizers=self._optimizers,
+            schedulers=self._schedulers,
+            dataloaders=self._dataloaders,
+            scaler=self.precision.scaler,
+            custom=self._custom,
+        )
+
+    def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
+        """Save the whole training state atomically; every process must call it."""
+        return checkpoint.save_state(
+            output_dir,
+            self._stateful(),
+            rank=self.process_index,
+            world_size=self.num_processes,
+            progress={"step": self.step, "cycle": self.gradients.micro_steps_in_cycle},
+        )
+
+    def load_state(self, input_dir: str | os.PathLike[str]) -> None:
+        """Restore what ``save_state`` wrote, so training continues exactly."""
+        progress = checkpoint.load_state(input_dir, self._stateful(), rank=self.process_index)
+        self.step = progress["step"]
+        self.gradients.micro_steps_in_cycle = progress["cycle"]
+
+    # -- logging ---------------------------------------------------------------------------
+    def init_trackers(
+        self,
+        project_name: str,
+        config: dict[str, Any] | None = None,
+        init_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Start the ``log_with`` trackers (main process) under ``project_dir``."""
+        if self.is_main_process:
+            self.trackers = start_trackers(
+                self.config.log_with, project_name, self.project_dir, config, init_kwargs
+            )
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Record scalars from the main process: ``run.metrics``, the live curve, trackers."""
+        if not self.is_main_process:
+            return
+        record = log_metrics(values, step=step)
+        step_value = record.pop("step")
+        for tracker in self.trackers:
+            tracker.log(record, step_value)
+
+    def end_training(self) -> None:
+        """Flush and close the trackers; call at the end of training."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.wait_for_everyone()
+
+
+def _base_config(config: Config | None) -> Config:
+    if config is not None:
+        return config
+    session = active_session()
+    if session is not None:
+        return session.config
+    return resolve({}, env=os.environ).config
+
+
+def _kind(obj: Any, index: int) -> str:
+    if isinstance(obj, torch.nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, _SCHEDULER_TYPES):
+        return "scheduler"
+    if isinstance(obj, DataLoader):
+        return "dataloader"
+    raise TypeError(
+        f"prepare() got {type(obj).__name__} as argument {index}; it prepares torch.nn.Module, "
+        "torch.optim.Optimizer, LR schedulers and torch.utils.data.DataLoader. Wrap a "
+        "Dataset in a DataLoader first; use other objects directly without prepare()."
+    )

@@ -1,0 +1,249 @@
+"""``save_state`` / ``load_state``: whole-training checkpoints, written atomically.
+
+Layout of a checkpoint folder ``ckpt/``::
+
+    ckpt/LATEST                 the name of the complete state folder (replaced atomically)
+    ckpt/state-<id>/meta.json   format, counts, step counters, dataloader positions
+    ckpt/state-<id>/model_0.pt, optimizer_0.pt, scheduler_0.pt, scaler.pt, custom_0.pt
+    ckpt/state-<id>/random_states_<rank>.pt   python, numpy, torch and CUDA RNGs, per rank
+
+Every rank writes into ``ckpt/.partial-<id>``; after a barrier rank 0 renames it to
+``state-<id>`` and only then points ``LATEST`` at it. A crash or a killed rank at any moment
+leaves ``LATEST`` naming the previous whole checkpoint. Loading reads and checks every
+file before it changes anything, with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+FORMAT = 1
+LATEST = "LATEST"
+_ACCELERATE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin")
+
+
+@dataclass
+class Stateful:
+    """The objects a checkpoint covers, in ``prepare`` order within each kind."""
+
+    models: Sequence[torch.nn.Module]
+    optimizers: Sequence[Any]
+    schedulers: Sequence[Any]
+    dataloaders: Sequence[Any]
+    scaler: torch.amp.GradScaler | None
+    custom: Sequence[Any]
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "models": len(self.models),
+            "optimizers": len(self.optimizers),
+            "schedulers": len(self.schedulers),
+            "dataloaders": len(self.dataloaders),
+            "scaler": int(self.scaler is not None),
+            "custom": len(self.custom),
+        }
+
+
+def save_state(
+    directory: str | os.PathLike[str],
+    objects: Stateful,
+    *,
+    rank: int,
+    world_size: int,
+    progress: dict[str, int],
+) -> Path:
+    """Write a checkpoint of ``objects`` under ``directory``; every rank must call it."""
+    root = Path(directory)
+    name = _agree_on_name(root, rank)
+    staging = root / f".partial-{name}"
+    if rank == 0:
+        for i, model in enumerate(objects.models):
+            torch.save(model.state_dict(), staging / f"model_{i}.pt")
+        for i, optimizer in enumerate(objects.optimizers):
+            torch.save(optimizer.state_dict(), staging / f"optimizer_{i}.pt")
+        for i, scheduler in enumerate(objects.schedulers):
+            torch.save(scheduler.state_dict(), staging / f"scheduler_{i}.pt")
+        if objects.scaler is not None:
+            torch.save(objects.scaler.state_dict(), staging / "scaler.pt")
+        for i, obj in enumerate(objects.custom):
+            torch.save(obj.state_dict(), staging / f"custom_{i}.pt")
+        meta = {
+            "format": FORMAT,
+            "counts": objects.counts(),
+            "world_size": world_size,
+            "progress": progress,
+            "dataloaders": [loader.state_dict() for loader in objects.dataloaders],
+        }
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    torch.save(rng_states(), staging / f"random_states_{rank}.pt")
+    _barrier()  # every rank's files are in the staging folder
+    final = root / f"state-{name}"
+    if rank == 0:
+        staging.rename(final)
+        pointer = root / f".{LATEST}.{name}"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / LATEST)  # the commit point
+        for old in root.glob("state-*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()  # nobody reads or saves again before the commit
+    return final
+
+
+def _agree_on_name(root: Path, rank: int) -> str:
+    names = [uuid.uuid4().hex[:12] if rank == 0 else ""]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".partial-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        (root / f".partial-{names[0]}").mkdir()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(names, src=0)
+    return names[0]
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def load_state(
+    directory: str | os.PathLike[str], objects: Stateful, *, rank: int
+) -> dict[str, int]:
+    """Restore ``objects`` from the checkpoint under ``directory``; returns the progress saved
+    with it (step counters).
+
+    Raises FileNotFoundError / ValueError, changing nothing, when the folder is missing,
+    holds only an interrupted save, is not an nbaccel checkpoint, or does not match.
+    """
+    folder = find_checkpoint(Path(directory))
+    meta = json.loads((folder / "meta.json").read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(
+            f"{folder} has checkpoint format {meta.get('format')!r}; this nbaccel reads "
+            f"format {FORMAT}. Load it with the nbaccel version that wrote it."
+        )
+    _check_counts(folder, meta["counts"], objects.counts())
+
+    # Read everything first: a bad file must not leave a half-restored training state.
+    def load(name: str) -> Any:
+        return torch.load(folder / name, map_location="cpu", weights_only=True)
+
+    models = [load(f"model_{i}.pt") for i in range(len(objects.models))]
+    optimizers = [load(f"optimizer_{i}.pt") for i in range(len(objects.optimizers))]
+    schedulers = [load(f"scheduler_{i}.pt") for i in range(len(objects.schedulers))]
+    scaler = load("scaler.pt") if objects.scaler is not None else None
+    custom = [load(f"custom_{i}.pt") for i in range(len(objects.custom))]
+    rng_file = folder / f"random_states_{rank}.pt"
+    rngs = load(rng_file.name) if rng_file.exists() else None
+    for model, state in zip(objects.models, models, strict=True):
+        model.load_state_dict(state)
+    for optimizer, state in zip(objects.optimizers, optimizers, strict=True):
+        optimizer.load_state_dict(state)
+    for scheduler, state in zip(objects.schedulers, schedulers, strict=True):
+        scheduler.load_state_dict(state)
+    if objects.scaler is not None and scaler is not None:
+        objects.scaler.load_state_dict(scaler)
+    for obj, state in zip(objects.custom, custom, strict=True):
+        obj.load_state_dict(state)
+    for loader, state in zip(objects.dataloaders, meta["dataloaders"], strict=True):
+        loader.load_state_dict(state)
+    if rngs is not None:  # absent when this run has more ranks than the saving one
+        set_rng_states(rngs)
+    return {name: int(value) for name, value in meta["progress"].items()}
+
+
+def find_checkpoint(root: Path) -> Path:
+    """The complete state folder ``root/LATEST`` names, or a clear error."""
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"load_state: no checkpoint folder at {root}. Check the path, or call "
+            "save_state() with it first."
+        )
+    pointer = root / LATEST
+    if not pointer.exists():
+        if any(root.glob(".partial-*")):
+            why = "it holds only a save that never finished (the run stopped during save_state)"
+        elif any((root / f).exists() for f in _ACCELERATE_FILES):
+            why = "it looks like a Hugging Face Accelerate checkpoint, which nbaccel cannot read"
+        else:
+            why = f"it has no {LATEST} file naming a saved state"
+        raise ValueError(
+            f"load_state: {root} is not a complete nbaccel checkpoint: {why}. Pass a folder "
+            "written by Accelerator.save_state()."
+        )
+    folder = root / pointer.read_text().strip()
+    if not (folder / "meta.json").exists():
+        raise ValueError(
+            f"load_state: {root}/{LATEST} names {folder.name}, which is missing or incomplete "
+            "(was it copied partially?). Restore the folder or save again."
+        )
+    return folder
+
+
+def _check_counts(folder: Path, saved: dict[str, int], current: dict[str, int]) -> None:
+    wrong = [
+        f"{k}: saved {saved.get(k, 0)}, prepared now {v}"
+        for k, v in current.items()
+        if saved.get(k, 0) != v
+    ]
+    if wrong:
+        raise ValueError(
+            f"load_state: the checkpoint in {folder} does not match this Accelerator ("
+            + "; ".join(wrong)
+            + "). prepare() the same models, optimizers, schedulers and dataloaders, with the "
+            "same mixed_precision and register_for_checkpointing() calls, as the saving run."
+        )
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's random number generator states, loadable with weights_only=True."""
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        assert isinstance(keys, np.ndarray)
+        # ndarrays do not pass weights_only loading; tensors and plain values do.
+        states["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(states["python"]))
+    torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        import numpy as np
+
+        n = states["numpy"]
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+        )
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    # random.setstate needs tuples; a round trip through torch.load may give lists.
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value

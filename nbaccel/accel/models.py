@@ -1,0 +1,128 @@
+"""Preparing a model: device, autocast forward, torch.compile, DDP; and undoing it.
+
+``prepare_model`` returns what the training loop calls. ``unwrap_model`` peels DDP and
+torch.compile off again and restores the original ``forward``, so saved weights have
+no ``module.`` / ``_orig_mod.`` prefixes and an unwrapped model runs in full precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from nbaccel.accel.collectives import tree_map
+from nbaccel.accel.precision import Precision
+from nbaccel.accel.state import ProcessState
+
+# Marks a forward that prepare() wrapped in autocast; the original is kept on the wrapper.
+_ORIGINAL_FORWARD = "__nbaccel_original_forward__"
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    state: ProcessState,
+    precision: Precision,
+    *,
+    device_placement: bool,
+    dynamo_backend: str,
+    ddp_kwargs: dict[str, Any],
+) -> torch.nn.Module:
+    if device_placement:
+        model = model.to(state.device)
+    if precision.dtype is not None and not hasattr(model.forward, _ORIGINAL_FORWARD):
+        model.forward = _autocast_forward(model.forward, precision)
+    if dynamo_backend != "no":
+        # Compile the module, then wrap it in DDP: torch.compile(DDP(...)) compiles nothing
+        # for some models (pytorch#140416), DDP(torch.compile(...)) is the supported order.
+        model = torch.compile(model, backend=dynamo_backend)  # type: ignore[assignment]
+    if state.use_distributed:
+        device_ids = [state.device.index] if state.device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+    return model
+
+
+def _autocast_forward(forward: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
+        with precision.autocast():
+            outputs = forward(*args, **kwargs)
+        # Outputs leave in fp32 so the loss and metrics computed outside are full precision.
+        return _to_fp32(outputs)
+
+    setattr(forward_in_autocast, _ORIGINAL_FORWARD, forward)
+    return forward_in_autocast
+
+
+def _to_fp32(outputs: Any) -> Any:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+    try:
+        return tree_map(cast, outputs)
+    except TypeError:  # outputs that are not tensor containers pass through unchanged
+        return outputs
+
+
+def unwrap_model(
+    model: torch.nn.Module, keep_autocast: bool = False, keep_compile: bool = False
+) -> torch.nn.Module:
+    """The user's module: DDP removed; torch.compile too and forward restored unless kept.
+
+    Restoring the forward changes the module that is being trained (it is the same object),
+    as in Accelerate; checkpoints and save_model keep the autocast forward.
+    """
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    inner = model
+    while True:
+        compiled = getattr(inner, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(compiled, torch.nn.Module):
+            break
+        inner = compiled
+    original = getattr(inner.forward, _ORIGINAL_FORWARD, None)
+    if original is not None and not keep_autocast:
+        inner.forward = original
+    return model if keep_compile else inner
+
+
+def no_sync(model: torch.nn.Module) -> Any:
+    """DDP's no_sync for a DDP model; nothing to suspend otherwise."""
+    return (
+        model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+    )
+
+
+def save_model_file(model: torch.nn.Module, directory: Path) -> Path:
+    """Write the unwrapped model's weights to ``directory/model.safetensors``.
+
+    safetensors refuses tensors that share storage (tied embeddings); its ``save_model``
+    drops the duplicates and records them, and ``safetensors.torch.load_model`` restores.
+    """
+    from safetensors.torch import save_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "model.safetensors"
+    partial = directory / ".model.safetensors.partial"
+    cpu_copy = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # save_model reads state_dict(); give it CPU tensors without moving the live model.
+    holder = _StateHolder(cpu_copy)
+    save_model(holder, str(partial), metadata={"format": "pt"})
+    partial.replace(path)
+    return path
+
+
+class _StateHolder(torch.nn.Module):
+    """A module whose state_dict is a given dict; lets safetensors save a CPU copy."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self._state

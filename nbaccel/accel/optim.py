@@ -1,0 +1,180 @@
+"""The optimizer and scheduler as ``prepare`` returns them: accumulation- and scaler-aware.
+
+While gradients are being accumulated (``sync_gradients`` False) ``step`` and ``zero_grad``
+do nothing, so the plain loop ``backward; step; zero_grad`` accumulates. With fp16 the step
+goes through the GradScaler; a step it skips for inf/NaN gradients is recorded so that the
+scheduler skips too. The scheduler steps only after a real optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class GradientState:
+    """Accumulation state shared by one Accelerator's optimizers, schedulers and loaders."""
+
+    accumulation_steps: int = 1
+    micro_steps_in_cycle: int = 0  # micro-steps since the last sync
+    sync_gradients: bool = True
+    end_of_dataloader: bool = False
+    remainder: int = -1  # real samples in the last global batch, -1: not at the last batch
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer; a subclass so that LR schedulers accept it.
+
+    It never calls ``Optimizer.__init__``: the wrapped optimizer owns ``param_groups``,
+    ``state`` and ``defaults``, and these properties forward to it.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradients: GradientState,
+        scaler: torch.amp.GradScaler | None,
+        clip: Callable[[AcceleratedOptimizer], None] | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.gradients = gradients
+        self.scaler = scaler
+        self._clip = clip
+        self.step_was_skipped = False
+        self.unscaled = False  # set when gradients were unscaled for clipping this step
+        self.clipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradients.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.gradients.sync_gradients:
+            return None
+        if self._clip is not None and not self.clipped:
+            self._clip(self)  # the config's max_grad_norm, unless the user clipped already
+        result = None
+        if self.scaler is None:
+            result = self.optimizer.step(closure) if closure else self.optimizer.step()
+            self.step_was_skipped = False
+        else:
+            scale = self.scaler.get_scale()
+            result = (
+                self.scaler.step(self.optimizer, closure)
+                if closure
+                else (self.scaler.step(self.optimizer))
+            )
+            self.scaler.update()
+            # GradScaler lowers its scale exactly when it skipped the step for inf/NaN.
+            self.step_was_skipped = self.scaler.get_scale() < scale
+        self.unscaled = self.clipped = False
+        return result
+
+    def unscale_gradients(self) -> None:
+        """Unscale this optimizer's gradients once per step (before clipping)."""
+        if self.scaler is not None and not self.unscaled:
+            self.scaler.unscale_(self.optimizer)
+        self.unscaled = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class AcceleratedScheduler:
+    """Wraps an LR scheduler so it steps only when its optimizers really stepped.
+
+    As in Hugging Face Accelerate, one optimizer step over N processes counts as N steps of
+    the schedule: schedules are written in single-process steps (``len(dataloader)`` before
+    ``prepare``), and each step now consumes N batches. ``split_batches=True`` steps once;
+    ``step_scheduler_with_optimizer=False`` leaves every call to the scheduler alone.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        optimizers: list[AcceleratedOptimizer],
+        gradients: GradientState,
+        steps_per_optimizer_step: int,
+        follow_optimizer: bool = True,
+    ) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.gradients = gradients
+        self.steps_per_optimizer_step = steps_per_optimizer_step
+        self.follow_optimizer = follow_optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self.follow_optimizer:  # step_scheduler_with_optimizer=False: every call
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradients.sync_gradients:
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return  # fp16 overflow: the optimizer did not move, neither does the schedule
+        for _ in range(self.steps_per_optimizer_step):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR raises past it
+            if total is not None and self.scheduler.last_epoch >= total:
+                return
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.scheduler.get_last_lr())
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (last_epoch, base_lrs, ...) is the wrapped scheduler's.
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

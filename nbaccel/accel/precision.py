@@ -1,0 +1,75 @@
+"""Mixed precision: autocast on the right device type, fp32 master weights, fp16 loss scaling.
+
+Parameters and gradients stay fp32; only the forward pass runs in ``bf16``/``fp16`` under
+``torch.autocast``. fp16 adds a ``GradScaler`` for the device (a bare ``GradScaler()``
+assumes CUDA and silently disables itself on CPU), whose state goes into checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from nbaccel.config import MIXED_PRECISIONS
+from nbaccel.errors import ConfigError
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Precision:
+    """The precision policy of one Accelerator.
+
+    >>> p = Precision("bf16", torch.device("cpu"))
+    >>> with p.autocast():
+    ...     (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+    torch.bfloat16
+    >>> p.scaler is None
+    True
+    """
+
+    def __init__(self, mode: str, device: torch.device) -> None:
+        if mode not in MIXED_PRECISIONS:
+            raise ConfigError(
+                f"mixed_precision={mode!r} is not one of {', '.join(map(repr, MIXED_PRECISIONS))}.",
+                field="mixed_precision",
+            )
+        check_device_supports(mode, device)
+        self.mode = mode
+        self.device = device
+        self.dtype = _DTYPES.get(mode)
+        self.scaler: torch.amp.GradScaler | None = (
+            torch.amp.GradScaler(device.type) if mode == "fp16" else None
+        )
+
+    @contextlib.contextmanager
+    def autocast(self, enabled: bool = True) -> Iterator[None]:
+        """Run the block under autocast for this precision (a no-op for ``"no"``)."""
+        if self.dtype is None or not enabled:
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            yield
+
+
+def check_device_supports(mode: str, device: torch.device) -> None:
+    """Raise ConfigError when ``device`` cannot run ``mode``; before any state is changed."""
+    if mode == "bf16" and device.type == "cuda" and not _cuda_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(
+            f"mixed_precision='bf16' needs a GPU with bfloat16 support (compute capability 8.0 "
+            f"or newer, e.g. A100, H100), but {name} has none. Use mixed_precision='fp16', or "
+            "'no'.",
+            field="mixed_precision",
+        )
+    if mode != "no" and device.type not in ("cpu", "cuda", "xla", "mps"):
+        raise ConfigError(
+            f"mixed_precision={mode!r} is not available on device type {device.type!r}. Use "
+            "mixed_precision='no'.",
+            field="mixed_precision",
+        )
+
+
+def _cuda_bf16_supported() -> bool:
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))

@@ -1,0 +1,118 @@
+"""Who this process is inside ``Accelerator``: rank, world size, device and distributed type.
+
+Three sources, in order: the nbaccel launch this worker belongs to (its ``ProcessContext``),
+the torch.distributed environment a launcher such as torchrun set (``RANK``, ``WORLD_SIZE``,
+...), and otherwise one process. With more than one process the default process group is
+initialised here when the launcher has not done it (``init_process_group=False``, torchrun).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nbaccel.config import Config
+from nbaccel.context import active_session
+from nbaccel.errors import ConfigError
+
+
+class DistributedType(str, enum.Enum):
+    """How the model is distributed; the names and values are Hugging Face Accelerate's."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+    XLA = "XLA"
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """This process's place in the run.
+
+    >>> state = ProcessState(0, 0, 1, 1, torch.device("cpu"), DistributedType.NO, "")
+    >>> state.is_main_process, state.use_distributed
+    (True, False)
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    distributed_type: DistributedType
+    run_dir: str
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -> ProcessState:
+    """Build the ProcessState for ``config``, initialising torch.distributed when needed."""
+    env = os.environ if env is None else env
+    session = active_session()
+    if session is not None:
+        ctx = session.context
+        rank, local_rank, world, local_world = (
+            ctx.rank,
+            ctx.local_rank,
+            ctx.world_size,
+            ctx.local_world_size,
+        )
+        run_dir = ctx.run_dir
+    elif "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        run_dir = ""
+    else:
+        rank, local_rank, world, local_world, run_dir = 0, 0, 1, 1, ""
+    use_cuda = torch.cuda.is_available() and not config.use_cpu
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        # Launched without a group (torchrun, or nbaccel with init_process_group=False):
+        # the env:// rendezvous those launchers set up is used, as torch's own tools do.
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout))
+    return ProcessState(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        device=device,
+        distributed_type=_distributed_type(config, world, use_cuda),
+        run_dir=run_dir,
+    )
+
+
+def _distributed_type(config: Config, world: int, use_cuda: bool) -> DistributedType:
+    if config.strategy in ("fsdp", "deepspeed", "xla"):
+        # Sharding and TPUs come with their own engines; until those land the Accelerator
+        # must refuse rather than silently train unsharded.
+        raise ConfigError(
+            f"strategy={config.strategy!r} is not supported by nbaccel's Accelerator yet: "
+            "it would train without the sharding or device you asked for. Use "
+            "strategy='ddp' (or 'auto').",
+            field="strategy",
+        )
+    if world == 1:
+        return DistributedType.NO
+    return DistributedType.MULTI_GPU if use_cuda else DistributedType.MULTI_CPU
