@@ -12,6 +12,7 @@ environment variables and the default config file, as in ``nbaccel.resolve``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,6 +292,22 @@ class Accelerator(ProcessCoordination):
         if self.is_main_process:
             models.save_model_file(inner, Path(save_directory))
         self.wait_for_everyone()
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget everything prepared, collect garbage and empty the CUDA cache.
+
+        Call between two trainings in one process; returns ``None`` for each object passed,
+        so ``model, opt = acc.free_memory(model, opt)`` drops the caller's references too.
+        """
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self._custom.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [None for _ in objects]
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict``/``load_state_dict`` in save/load_state."""

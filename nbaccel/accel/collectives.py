@@ -120,6 +120,4 @@ def pad_across_processes(
 
 def truncate(data: Any, length: int) -> Any:
     """Keep the first ``length`` rows of every tensor (drops padded duplicates)."""
-    if isinstance(data, list) and not any(isinstance(d, torch.Tensor) for d in data):
-        return data[:length]
     return tree_map(lambda tensor: tensor[:length], data)

@@ -45,12 +45,15 @@ class ProcessCoordination:
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Like ``gather``, minus the samples repeated to even out the last batch."""
-        if use_gather_object or not _holds_tensors(input_data):
+        as_objects = use_gather_object or not _holds_tensors(input_data)
+        if as_objects:
             data: Any = collectives.gather_object(input_data)
         else:
             data = collectives.gather(input_data)
         if self.gradients.end_of_dataloader and self.gradients.remainder >= 0:
-            data = collectives.truncate(data, self.gradients.remainder)
+            # Gathered objects are one list (cut the list); tensors are cut row-wise.
+            keep = self.gradients.remainder
+            data = data[:keep] if as_objects else collectives.truncate(data, keep)
         return data
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:

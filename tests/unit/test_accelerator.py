@@ -444,3 +444,18 @@ def test_save_model_strips_the_ddp_prefix(tmp_path: Path) -> None:
     finally:
         dist.destroy_process_group()
     assert set(load_file(tmp_path / "model.safetensors")) == {"weight", "bias"}
+
+
+def test_free_memory_forgets_what_was_prepared() -> None:
+    import gc
+    import weakref
+
+    acc = Accelerator()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    alive = weakref.ref(model)
+    model, optimizer = acc.free_memory(model, optimizer)
+    gc.collect()
+    assert (model, optimizer) == (None, None)
+    assert alive() is None  # the Accelerator kept no reference
