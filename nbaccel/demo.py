@@ -1,4 +1,4 @@
-"""The built-in demo: a small regression model trained with DDP on generated data.
+"""The built-in demo: a small regression model trained by the Accelerator on generated data.
 
 It runs in the workers (torch is imported inside the function), downloads nothing, and
 prints rank-0 progress with a tqdm bar, so ``nbaccel demo`` shows the whole path: launch,
@@ -18,48 +18,35 @@ def train_demo(epochs: int = 3, samples: int = 4096, batch_size: int = 64) -> di
     >>> summary["world_size"], summary["final_loss"] < summary["first_loss"]
     (1, True)
     """
-    import sys
-
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torch.utils.data import DataLoader, TensorDataset
 
-    from nbaccel.metrics import log_metrics
+    from nbaccel.accel import Accelerator
 
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    world_size = dist.get_world_size() if distributed else 1
+    acc = Accelerator()  # precision, accumulation, ... from the launch (nbaccel demo --help)
     torch.manual_seed(0)  # the same data and initial weights on every rank
     inputs = torch.randn(samples, 2)
     targets = 3 * inputs[:, :1] - 2 * inputs[:, 1:] + 0.5 + 0.01 * torch.randn(samples, 1)
-    dataset = TensorDataset(inputs, targets)
-    sampler: DistributedSampler[Any] | None = (
-        DistributedSampler(dataset, world_size, rank) if distributed else None
-    )
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, shuffle=sampler is None)
-    model: torch.nn.Module = torch.nn.Sequential(
-        torch.nn.Linear(2, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
-    )
-    if distributed:
-        model = DistributedDataParallel(model)
+    loader = DataLoader(TensorDataset(inputs, targets), batch_size=batch_size, shuffle=True)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    # DDP with several processes; each rank gets its own shard of every epoch.
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
     losses: list[float] = []
     for epoch in range(epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        batches = _progress(loader, rank, f"epoch {epoch + 1}/{epochs}")
+        batches = _progress(loader, acc.process_index, f"epoch {epoch + 1}/{epochs}")
         for features, target in batches:
-            loss = torch.nn.functional.mse_loss(model(features), target)
-            optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
+            with acc.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(features), target)
+                acc.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
             losses.append(loss.item())
-            log_metrics({"loss": losses[-1]})
+            acc.log({"loss": losses[-1]})  # -> run.metrics, the live curve, trackers
             if hasattr(batches, "set_postfix_str"):
                 batches.set_postfix_str(f"loss {losses[-1]:.4f}", refresh=False)
-        if rank == 0:
-            print(f"epoch {epoch + 1}/{epochs} loss {losses[-1]:.4f}", file=sys.stdout, flush=True)
+        acc.print(f"epoch {epoch + 1}/{epochs} loss {losses[-1]:.4f}", flush=True)
+    world_size = acc.num_processes
     return {
         "world_size": world_size,
         "steps": len(losses),
