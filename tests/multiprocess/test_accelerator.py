@@ -171,16 +171,18 @@ def test_shards_are_distinct_reshuffled_each_epoch_and_metrics_drop_padding(
     assert r0["gathered"][0] != r0["gathered"][1]  # a new order each epoch
 
 
-def collectives_and_helpers() -> dict[str, Any]:
+def collectives_and_helpers(shared: str) -> dict[str, Any]:
     import torch
 
     acc = nbaccel.Accelerator()
     rank = acc.process_index
     ragged = torch.full((rank + 1, 2), float(rank))
     padded = acc.pad_across_processes(ragged, dim=0, pad_index=-1)
-    order: list[str] = []
+    marker = Path(shared) / "downloaded"
     with acc.main_process_first():
-        order.append(f"rank{rank}")
+        found_first = marker.exists()  # rank 0 "downloads"; the others must find it done
+        if rank == 0:
+            marker.write_text("done")
     acc.print(f"printed by rank {rank}")
     on_main = acc.on_main_process(lambda: "main")()
     return {
@@ -192,11 +194,14 @@ def collectives_and_helpers() -> dict[str, Any]:
         "padded": acc.gather(padded).tolist(),
         "objects": acc.gather_for_metrics([f"r{rank}"]),
         "on_main": on_main,
+        "found_first": found_first,
     }
 
 
 def test_collectives_across_two_ranks(runs_dir: str) -> None:
-    run = nbaccel.launch(collectives_and_helpers, num_processes=2, runs_dir=runs_dir)
+    run = nbaccel.launch(
+        collectives_and_helpers, args=(runs_dir,), num_processes=2, runs_dir=runs_dir
+    )
     results = run.results(timeout=120)
     r0, r1 = results[0], results[1]
     assert r0["gather"] == r1["gather"] == [0, 0, 1, 10]
@@ -206,6 +211,7 @@ def test_collectives_across_two_ranks(runs_dir: str) -> None:
     assert r0["padded"] == [[0.0, 0.0], [-1.0, -1.0], [1.0, 1.0], [1.0, 1.0]]
     assert r0["objects"] == ["r0", "r1"]
     assert (r0["on_main"], r1["on_main"]) == ("main", None)
+    assert (r0["found_first"], r1["found_first"]) == (False, True)  # main_process_first
     assert "printed by rank 0" in run.logs(0)
     assert "printed by rank" not in run.logs(1)
 
