@@ -199,9 +199,12 @@ def accelerate_env(config: Config, *, on_cpu: bool) -> dict[str, str]:
     """Variables that Accelerate reads in a worker, as its own launcher would set them."""
     env = {
         "ACCELERATE_MIXED_PRECISION": config.mixed_precision,
-        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(config.gradient_accumulation_steps),
         "ACCELERATE_DYNAMO_BACKEND": config.dynamo_backend.upper(),
     }
+    # Accelerate reads this variable *over* its own gradient_accumulation_steps argument, so
+    # exporting the default 1 would silently turn accumulation off in code that asks for it.
+    if config.gradient_accumulation_steps != 1:
+        env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
     if on_cpu:
         env["ACCELERATE_USE_CPU"] = "true"
     if config.max_grad_norm is not None:

@@ -29,7 +29,7 @@ def log_metrics(values: Mapping[str, Any], step: int | None = None) -> dict[str,
         step = session.metric_steps if session else 0
     if session is not None:
         session.metric_steps = step + 1
-        session.events.send(
+        session.events.send_batched(
             {"kind": "metric", "step": int(step), "values": scalars, "time": time.time()}
         )
     return {**scalars, "step": int(step)}

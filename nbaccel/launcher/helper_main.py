@@ -35,6 +35,11 @@ PRELOAD = (
     "nbaccel.launcher.worker",
     "nbaccel.accel",
 )
+# Imported once the helper is first idle, not before "ready": DDP's constructor imports
+# torch._dynamo lazily, 1.6-2.9 s in every worker of every launch that wraps a model;
+# imported here once, forked workers have it for free. Not in PRELOAD, which would delay
+# the first launch by as much. Spares forked before it are replaced.
+WARM_LATER = ("torch._dynamo",)
 PARENT_POLL_SECONDS = 1.0
 MAX_SPARES = 16
 
@@ -46,6 +51,7 @@ class Helper:
         self.workers: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank)
         self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
         self.wanted_spares = 0
+        self.warmed = False
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -62,6 +68,9 @@ class Helper:
             if not ready and not idle:
                 self.fork_spare()
                 continue
+            if not ready and not self.warmed:
+                self.warm_up()
+                continue
             if self.wake_read in ready:
                 while _drain(self.wake_read):
                     pass
@@ -71,6 +80,18 @@ class Helper:
                 if message is None:
                     return
                 self.handle(message, fds)
+
+    def warm_up(self) -> None:
+        """Import WARM_LATER, then retire the spares forked without it."""
+        self.warmed = True
+        for module in WARM_LATER:
+            try:
+                __import__(module)
+            except Exception:  # noqa: BLE001 - workers import it themselves and report errors
+                pass
+        for _, channel in self.spares:
+            channel.close()  # the spare reads EOF and exits; reap() collects it
+        self.spares.clear()
 
     def handle(self, message: dict[str, Any], fds: list[int]) -> None:
         if message["op"] == "spawn":

@@ -168,7 +168,9 @@ class Run:
         self, helper: HelperProcess, requests: list[dict[str, Any]], payload_fd: int, listen_fd: int
     ) -> None:
         self._helper = helper
-        self._events_file = open(self.run_dir / "events.jsonl", "a", buffering=1)
+        # Block-buffered, flushed once per pump wake-up: a write call per line cost ~40 us of
+        # parent CPU per metric, taken from the workers on a small machine.
+        self._events_file = open(self.run_dir / "events.jsonl", "a")
         helper.subscribe(self.run_id, self._post)
         child_fds: list[int] = []
         try:
@@ -227,6 +229,8 @@ class Run:
                         self._read(selector, *key.data)
                 while not self._inbox.empty():
                     self._handle(self._inbox.get(), selector)
+                if self._events_file is not None:
+                    self._events_file.flush()
                 self._tick()
         finally:
             selector.close()

@@ -222,17 +222,21 @@ def test_accelerate_code_runs_unchanged(runs_dir: str) -> None:
         from accelerate import Accelerator
 
         accelerator = Accelerator()
+        # The code's own argument must survive the launch's default accumulation (1):
+        # Accelerate reads ACCELERATE_GRADIENT_ACCUMULATION_STEPS over its argument.
+        asked = Accelerator(gradient_accumulation_steps=4)
         return (
             accelerator.num_processes,
             accelerator.distributed_type.value,
             accelerator.mixed_precision,
             accelerator.process_index,
+            asked.gradient_accumulation_steps,
         )
 
     results = nbaccel.launch(
         accelerate_view, num_processes=2, mixed_precision="bf16", runs_dir=runs_dir
     ).results(120)
-    assert results == {0: (2, "MULTI_CPU", "bf16", 0), 1: (2, "MULTI_CPU", "bf16", 1)}
+    assert results == {0: (2, "MULTI_CPU", "bf16", 0, 4), 1: (2, "MULTI_CPU", "bf16", 1, 4)}
 
     def fsdp_env() -> tuple:
         return os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_SHARDING_STRATEGY"]
