@@ -195,8 +195,10 @@ class Accelerator(ProcessCoordination):
         # rank 0 and broadcast: every rank must shuffle the same way for disjoint shards.
         seed = torch.randint(0, 2**62, (1,))
         if self.use_distributed:
+            # On the device: a group the user created with nccl alone cannot carry CPU tensors.
+            seed = seed.to(self.device)
             dist.broadcast(seed, src=0)
-        return int(seed)
+        return int(seed.item())
 
     # -- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
