@@ -58,3 +58,24 @@ def test_importing_and_launching_keep_torch_out_of_the_parent(tmp_path: Path) ->
     )
     assert result.returncode == 0, result.stderr
     assert "TORCH_MODULES []" in result.stdout
+
+
+def test_what_the_helper_preloads_never_touches_cuda(tmp_path: Path) -> None:
+    # Forked workers cannot use CUDA if the helper initialised it: the helper's imports
+    # (PRELOAD, then WARM_LATER when idle) must not call into torch.cuda at all.
+    code = (
+        "import torch, torch.cuda\n"
+        "calls = []\n"
+        "for name in ('is_available', '_lazy_init', 'device_count', 'init',\n"
+        "             'get_device_properties', 'get_device_capability', 'current_device'):\n"
+        "    setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n))\n"
+        "from nbaccel.launcher.helper_main import PRELOAD, WARM_LATER\n"
+        "for module in PRELOAD + WARM_LATER:\n"
+        "    __import__(module)\n"
+        "print('CUDA_CALLS', calls)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "CUDA_CALLS []" in result.stdout
