@@ -32,12 +32,15 @@ from nbaccel.accel.data import (
 )
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 from nbaccel.accel.precision import Precision
-from nbaccel.accel.state import DistributedType, ProcessState, detect_process_state
+from nbaccel.accel.state import (
+    DistributedType,
+    ProcessState,
+    detect_process_state,
+    launch_config,
+)
 from nbaccel.accel.trackers import Tracker, start_trackers
 from nbaccel.config import Config
-from nbaccel.context import active_session
 from nbaccel.metrics import log_metrics
-from nbaccel.resolve import resolve
 
 _SCHEDULER_TYPES: tuple[type, ...] = (
     torch.optim.lr_scheduler.LRScheduler,
@@ -87,7 +90,7 @@ class Accelerator(ProcessCoordination):
             "dynamo_backend": dynamo_backend,
         }
         # Validated here (ConfigError naming the choices) before any state is touched.
-        self.config = _base_config(config).replace(
+        self.config = launch_config(config).replace(
             **{k: v for k, v in explicit.items() if v is not None}
         )
         self.state: ProcessState = detect_process_state(self.config)
@@ -375,15 +378,6 @@ class Accelerator(ProcessCoordination):
             tracker.finish()
         self.trackers = []
         self.wait_for_everyone()
-
-
-def _base_config(config: Config | None) -> Config:
-    if config is not None:
-        return config
-    session = active_session()
-    if session is not None:
-        return session.config
-    return resolve({}, env=os.environ).config
 
 
 def _kind(obj: Any, index: int) -> str:

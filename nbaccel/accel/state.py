@@ -20,6 +20,7 @@ import torch.distributed as dist
 from nbaccel.config import Config
 from nbaccel.context import active_session
 from nbaccel.errors import ConfigError
+from nbaccel.resolve import resolve
 
 
 class DistributedType(str, enum.Enum):
@@ -61,6 +62,17 @@ class ProcessState:
     @property
     def use_distributed(self) -> bool:
         return self.world_size > 1
+
+
+def launch_config(config: Config | None) -> Config:
+    """The settings an Accelerator starts from: ``config`` if given, else the launch's
+    resolved Config, else (torchrun, a plain script) env variables and the default file."""
+    if config is not None:
+        return config
+    session = active_session()
+    if session is not None:
+        return session.config
+    return resolve({}, env=os.environ).config
 
 
 def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -> ProcessState:

@@ -42,6 +42,15 @@ def test_public_api_has_runnable_examples() -> None:
         assert ">>>" in (getattr(nbaccel, name).__doc__ or ""), name
 
 
+def python_output(code: str, cwd: Path) -> str:
+    """Run ``code`` in a fresh interpreter; its stdout (it must succeed)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_importing_and_launching_keep_torch_out_of_the_parent(tmp_path: Path) -> None:
     code = (
         "import sys, nbaccel\n"
@@ -53,11 +62,7 @@ def test_importing_and_launching_keep_torch_out_of_the_parent(tmp_path: Path) ->
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
         "print('TORCH_MODULES', bad)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr
-    assert "TORCH_MODULES []" in result.stdout
+    assert "TORCH_MODULES []" in python_output(code, tmp_path)
 
 
 def test_what_the_helper_preloads_never_touches_cuda(tmp_path: Path) -> None:
@@ -74,8 +79,4 @@ def test_what_the_helper_preloads_never_touches_cuda(tmp_path: Path) -> None:
         "    __import__(module)\n"
         "print('CUDA_CALLS', calls)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr
-    assert "CUDA_CALLS []" in result.stdout
+    assert "CUDA_CALLS []" in python_output(code, tmp_path)
