@@ -14,16 +14,28 @@ import torch
 import torch.distributed as dist
 
 
-def tree_map(function: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Apply ``function`` to every tensor in nested lists, tuples, namedtuples and dicts."""
+def tree_map(
+    function: Callable[[torch.Tensor], Any],
+    data: Any,
+    other: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Apply ``function`` to every tensor in nested lists, tuples, namedtuples and dicts.
+
+    Other leaves go to ``other``; without it they are an error (collectives need tensors).
+
+    >>> tree_map(lambda t: t * 2, {"a": [torch.tensor(1)], "n": 3}, other=lambda x: x)
+    {'a': [tensor(2)], 'n': 3}
+    """
     if isinstance(data, torch.Tensor):
         return function(data)
     if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(tree_map(function, d) for d in data))
+        return type(data)(*(tree_map(function, d, other) for d in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(tree_map(function, d) for d in data)
+        return type(data)(tree_map(function, d, other) for d in data)
     if isinstance(data, dict):
-        return type(data)({k: tree_map(function, v) for k, v in data.items()})
+        return type(data)({k: tree_map(function, v, other) for k, v in data.items()})
+    if other is not None:
+        return other(data)
     raise TypeError(
         f"expected tensors or lists/tuples/dicts of tensors, got {type(data).__name__}. "
         "Convert it with torch.tensor(...), or use gather_for_metrics(..., "

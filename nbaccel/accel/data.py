@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
+from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.optim import GradientState
 
 
@@ -348,17 +349,11 @@ def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) 
     >>> send_to_device({"x": [torch.ones(1)]}, torch.device("cpu"))["x"][0].device
     device(type='cpu')
     """
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=non_blocking)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(send_to_device(d, device, non_blocking) for d in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(send_to_device(d, device, non_blocking) for d in data)
-    if isinstance(data, dict):
-        return type(data)({k: send_to_device(v, device, non_blocking) for k, v in data.items()})
-    if hasattr(data, "to") and callable(data.to):  # e.g. transformers' BatchEncoding
-        return data.to(device)
-    return data
+
+    def other(leaf: Any) -> Any:  # e.g. transformers' BatchEncoding has its own .to()
+        return leaf.to(device) if callable(getattr(leaf, "to", None)) else leaf
+
+    return tree_map(lambda t: t.to(device, non_blocking=non_blocking), data, other)
 
 
 def is_iterable_dataset(loader: DataLoader[Any]) -> bool:

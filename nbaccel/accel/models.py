@@ -63,10 +63,7 @@ def _to_fp32(outputs: Any) -> Any:
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
-    try:
-        return tree_map(cast, outputs)
-    except TypeError:  # outputs that are not tensor containers pass through unchanged
-        return outputs
+    return tree_map(cast, outputs, other=lambda leaf: leaf)  # non-tensor leaves unchanged
 
 
 def unwrap_model(

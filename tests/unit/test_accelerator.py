@@ -459,3 +459,18 @@ def test_free_memory_forgets_what_was_prepared() -> None:
     gc.collect()
     assert (model, optimizer) == (None, None)
     assert alive() is None  # the Accelerator kept no reference
+
+
+def test_outputs_with_non_tensor_leaves_still_come_back_in_fp32() -> None:
+    class Scored(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            return {"logits": self.linear(x), "count": len(x), "note": "ok"}
+
+    acc = Accelerator(mixed_precision="bf16")
+    out = acc.prepare(Scored())(torch.randn(4, 3))
+    assert out["logits"].dtype == torch.float32  # computed in bf16, handed back in fp32
+    assert (out["count"], out["note"]) == (4, "ok")
