@@ -159,10 +159,6 @@ class EventWriter:
                 # switch and the GIL) cost ~70 us a step.
                 self._lock.notify()
 
-    def flush(self) -> None:
-        with self._lock:
-            self._write_pending()
-
     def _flush_when_due(self) -> None:
         with self._lock:
             while not self._closed:

@@ -236,16 +236,10 @@ class PreparedDataLoader(DataLoader[Any]):
         self._started = True
         self.plan.skip_batches = self.batches_consumed
         total = len(self)
-        self.gradients.end_of_dataloader = False
-        self.gradients.remainder = -1
-        for batch in super().__iter__():
-            self.batches_consumed += 1
-            last = self.batches_consumed >= total
-            self.gradients.end_of_dataloader = last
-            self.gradients.remainder = self.plan.last_remainder if last else -1
-            yield send_to_device(batch, self.device) if self.device is not None else batch
-        self.gradients.end_of_dataloader = False
-        self.gradients.remainder = -1
+        batches = super().__iter__()
+        # last_remainder is read per batch: the sampler sets it when iteration starts.
+        numbered = enumerate(batches, start=self.batches_consumed + 1)
+        yield from _hand_out(self, ((b, n >= total, self.plan.last_remainder) for n, b in numbered))
 
     def state_dict(self) -> dict[str, int]:
         """The position: epoch, batches consumed in it, and the shuffling seed."""
@@ -297,23 +291,7 @@ class PreparedIterableLoader:
         skip = self.batches_consumed if self._resuming else 0
         self._resuming = False
         self.batches_consumed = skip
-        self.gradients.end_of_dataloader = False
-        rounds = _rounds(iter(self.original), world)
-        current = next(rounds, None)
-        while current is not None:
-            batches, real = current
-            current = next(rounds, None)
-            if skip:
-                skip -= 1
-                continue
-            self.batches_consumed += 1
-            last = current is None
-            self.gradients.end_of_dataloader = last
-            self.gradients.remainder = real if last else -1
-            batch = batches[rank]
-            yield send_to_device(batch, self.device) if self.device is not None else batch
-        self.gradients.end_of_dataloader = False
-        self.gradients.remainder = -1
+        yield from _hand_out(self, itertools.islice(_mine(self.original, world, rank), skip, None))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": 0, "batches_consumed": self.batches_consumed, "seed": self.plan.seed}
@@ -321,6 +299,32 @@ class PreparedIterableLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.batches_consumed = int(state["batches_consumed"])
         self._resuming = True
+
+
+def _hand_out(
+    loader: PreparedDataLoader | PreparedIterableLoader,
+    batches: Iterator[tuple[Any, bool, int]],
+) -> Iterator[Any]:
+    """Yield each (batch, is last, real samples of the last round) on the device, keeping
+    the loader's position and the gradient state (end of dataloader, remainder) current."""
+    gradients = loader.gradients
+    gradients.end_of_dataloader, gradients.remainder = False, -1
+    for batch, last, remainder in batches:
+        loader.batches_consumed += 1
+        gradients.end_of_dataloader = last
+        gradients.remainder = remainder if last else -1
+        yield batch if loader.device is None else send_to_device(batch, loader.device)
+    gradients.end_of_dataloader, gradients.remainder = False, -1
+
+
+def _mine(loader: DataLoader[Any], world: int, rank: int) -> Iterator[tuple[Any, bool, int]]:
+    """This rank's batch of each round, whether it is the last, the last round's real size."""
+    rounds = _rounds(iter(loader), world)
+    current = next(rounds, None)
+    while current is not None:
+        batches, real = current
+        current = next(rounds, None)
+        yield batches[rank], current is None, real
 
 
 def _rounds(batches: Iterator[Any], world: int) -> Iterator[tuple[list[Any], int]]:
