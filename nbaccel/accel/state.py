@@ -8,6 +8,7 @@ initialised here when the launcher has not done it (``init_process_group=False``
 
 from __future__ import annotations
 
+import atexit
 import enum
 import os
 from collections.abc import Mapping
@@ -104,6 +105,9 @@ def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -
         # the env:// rendezvous those launchers set up is used, as torch's own tools do.
         backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout))
+        # The group is ours, so its teardown is too: a gloo group still alive when the
+        # interpreter finalises aborts the process (SIGABRT) in some share of runs.
+        atexit.register(_destroy_group_if_alive)
     return ProcessState(
         rank=rank,
         local_rank=local_rank,
@@ -113,6 +117,11 @@ def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -
         distributed_type=_distributed_type(config, world, use_cuda),
         run_dir=run_dir,
     )
+
+
+def _destroy_group_if_alive() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _distributed_type(config: Config, world: int, use_cuda: bool) -> DistributedType:

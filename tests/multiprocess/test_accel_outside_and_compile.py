@@ -15,8 +15,13 @@ import nbaccel
 
 SCRIPT = textwrap.dedent(
     """
+    import atexit
     import torch
+    import torch.distributed as dist
     import nbaccel
+
+    # Registered before the Accelerator's own handler, so it runs after it (LIFO).
+    atexit.register(lambda: print(f"group alive at exit: {dist.is_initialized()}", flush=True))
 
     acc = nbaccel.Accelerator(gradient_accumulation_steps=2)
     torch.manual_seed(0)
@@ -61,6 +66,9 @@ def test_under_torchrun_it_uses_the_torch_distributed_environment(tmp_path: Path
         assert (
             f"rank={rank} world=2 type=MULTI_CPU mp=bf16 sum=2 model=DistributedDataParallel" in out
         )
+    # The group the Accelerator created is destroyed before interpreter teardown, where a
+    # live gloo group can abort the process (seen in CI as SIGABRT on one rank).
+    assert out.count("group alive at exit: False") == 2, out
 
 
 @pytest.mark.timeout(120)
