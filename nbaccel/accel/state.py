@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import gc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -120,8 +121,16 @@ def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -
 
 
 def _destroy_group_if_alive() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # FACTS.md: destroying alone still aborted some runs; collecting dead wrappers and
+    # meeting at a barrier first (so no peer closes its sockets mid-teardown) did not.
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer already gone; tear down our side regardless
+        pass
+    dist.destroy_process_group()
 
 
 def _distributed_type(config: Config, world: int, use_cuda: bool) -> DistributedType:
