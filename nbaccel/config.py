@@ -86,6 +86,11 @@ class Config:
         "fsdp, deepspeed or xla.",
         choices=STRATEGIES,
     )
+    shard_optimizer_state: bool = schema_field(
+        False,
+        "With DDP (strategy auto or ddp): shard the optimizer state across processes "
+        "(ZeRO-1, torch's ZeroRedundancyOptimizer); parameters and gradients stay whole.",
+    )
     fsdp: FSDPOptions = field(default_factory=FSDPOptions, metadata={"help": FSDPOptions.__doc__})
     deepspeed: DeepSpeedOptions = field(
         default_factory=DeepSpeedOptions, metadata={"help": DeepSpeedOptions.__doc__}
@@ -319,6 +324,13 @@ def _check_consistency(config: Config) -> None:
             "strategy='deepspeed' needs CUDA GPUs, but use_cpu=True. Use strategy='fsdp' "
             "(which runs on CPU) or turn use_cpu off.",
             field="strategy",
+        )
+    if config.shard_optimizer_state and config.strategy not in ("auto", "ddp"):
+        raise ConfigError(
+            f"shard_optimizer_state=True shards a DDP run's optimizer (ZeRO-1), but "
+            f"strategy={config.strategy!r} has its own sharding. Use strategy='ddp', or "
+            "fsdp_sharding_strategy / deepspeed_zero_stage to choose what is sharded.",
+            field="shard_optimizer_state",
         )
     if config.fsdp.sharding_strategy == "HYBRID_SHARD" and config.num_machines == 1:
         raise ConfigError(
