@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from nbaccel.accel import checkpoint, models
+from nbaccel.accel import checkpoint, models, sharded_checkpoint, sharding
 from nbaccel.accel.coordination import ProcessCoordination
 from nbaccel.accel.data import (
     PreparedDataLoader,
@@ -94,7 +94,11 @@ class Accelerator(ProcessCoordination):
             **{k: v for k, v in explicit.items() if v is not None}
         )
         self.state: ProcessState = detect_process_state(self.config)
-        self.precision = Precision(self.config.mixed_precision, self.state.device)
+        self.precision = Precision(
+            self.config.mixed_precision,
+            self.state.device,
+            sharded=self.state.distributed_type is DistributedType.FSDP,
+        )
         self.gradients = GradientState(accumulation_steps=self.config.gradient_accumulation_steps)
         self.device_placement = device_placement
         self.split_batches = split_batches
@@ -108,6 +112,10 @@ class Accelerator(ProcessCoordination):
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[PreparedDataLoader | PreparedIterableLoader] = []
         self._custom: list[Any] = []
+        # What prepare() replaced, by id of the original: FSDP's sharded parameters and
+        # ZeRO-1's optimizer, so later optimizers and schedulers follow the replacements.
+        self._new_params: dict[int, torch.nn.Parameter] = {}
+        self._new_optimizers: dict[int, torch.optim.Optimizer] = {}
 
     # -- who and where -------------------------------------------------------------------
     device = property(lambda self: self.state.device)
@@ -150,6 +158,12 @@ class Accelerator(ProcessCoordination):
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_model(self, model: torch.nn.Module, placement: bool) -> torch.nn.Module:
+        if self.distributed_type is DistributedType.FSDP:
+            self._new_params |= models.prepare_sharded_model(
+                model, self.state, self.precision, self.config.fsdp, self.config.dynamo_backend
+            )
+            self._models.append(model)
+            return model
         prepared = models.prepare_model(
             model,
             self.state,
@@ -164,6 +178,10 @@ class Accelerator(ProcessCoordination):
     def _prepare_optimizer(self, optimizer: Any, placement: bool) -> AcceleratedOptimizer:
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
+        sharding.retarget_optimizer(optimizer, self._new_params)
+        if self.config.shard_optimizer_state and self.use_distributed:
+            original, optimizer = optimizer, sharding.zero1_optimizer(optimizer)
+            self._new_optimizers[id(original)] = optimizer
         clip = self._config_clip if self.config.max_grad_norm is not None else None
         wrapped = AcceleratedOptimizer(optimizer, self.gradients, self.precision.scaler, clip)
         self._optimizers.append(wrapped)
@@ -171,6 +189,8 @@ class Accelerator(ProcessCoordination):
 
     def _prepare_scheduler(self, scheduler: Any, placement: bool) -> AcceleratedScheduler:
         inner = scheduler.optimizer
+        if id(inner) in self._new_optimizers:  # ZeRO-1 replaced it: the schedule follows
+            inner = scheduler.optimizer = self._new_optimizers[id(inner)]
         optimizers = [o for o in self._optimizers if inner in (o, o.optimizer)]
         steps = 1 if self.split_batches else self.num_processes
         wrapped = AcceleratedScheduler(
@@ -259,7 +279,10 @@ class Accelerator(ProcessCoordination):
         if not self.gradients.sync_gradients:
             return None
         self._mark_clipped()
-        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        # FSDP's gradients are DTensors and so is their norm; callers log a plain tensor.
+        full = getattr(norm, "full_tensor", None)
+        return full() if full is not None else norm
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Unscale, then clamp each gradient to ``[-clip_value, clip_value]``."""
@@ -294,7 +317,11 @@ class Accelerator(ProcessCoordination):
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str]) -> None:
         """Write the consolidated weights to ``save_directory/model.safetensors`` (rank 0)."""
         inner = models.unwrap_model(model, keep_autocast=True)
-        if self.is_main_process:
+        if sharding.is_sharded(inner):  # gathered from every rank's shards, onto rank 0's CPU
+            weights = sharded_checkpoint.full_model_state(inner)
+            if self.is_main_process:
+                models.save_state_file(weights, Path(save_directory))
+        elif self.is_main_process:
             models.save_model_file(inner, Path(save_directory))
         self.wait_for_everyone()
 
@@ -332,7 +359,13 @@ class Accelerator(ProcessCoordination):
             dataloaders=self._dataloaders,
             scaler=self.precision.scaler,
             custom=self._custom,
+            layout=self._checkpoint_layout(),
         )
+
+    def _checkpoint_layout(self) -> str:
+        if self.config.strategy != "fsdp":
+            return "plain"
+        return "sharded" if self.config.fsdp.state_dict_type == "SHARDED_STATE_DICT" else "full"
 
     def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
         """Save the whole training state atomically; every process must call it."""
@@ -346,7 +379,9 @@ class Accelerator(ProcessCoordination):
 
     def load_state(self, input_dir: str | os.PathLike[str]) -> None:
         """Restore what ``save_state`` wrote, so training continues exactly."""
-        progress = checkpoint.load_state(input_dir, self._stateful(), rank=self.process_index)
+        progress = checkpoint.load_state(
+            input_dir, self._stateful(), rank=self.process_index, world_size=self.num_processes
+        )
         self.step = progress["step"]
         self.gradients.micro_steps_in_cycle = progress["cycle"]
 

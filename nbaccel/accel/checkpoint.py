@@ -6,6 +6,11 @@ Layout of a checkpoint folder ``ckpt/``::
     ckpt/state-<id>/meta.json   format, counts, step counters, dataloader positions
     ckpt/state-<id>/model_0.pt, optimizer_0.pt, scheduler_0.pt, scaler.pt, custom_0.pt
     ckpt/state-<id>/random_states_<rank>.pt   python, numpy, torch and CUDA RNGs, per rank
+    ckpt/state-<id>/sharded/    FSDP's model and optimizer shards (DCP), instead of model_*.pt
+
+Model weights and optimizer state load onto any number of processes (sharded ones are
+resharded by DCP); dataloader positions are converted to the new number of processes, and a
+rank that did not exist when saving keeps its own random state.
 
 Every rank writes into ``ckpt/.partial-<id>``; after a barrier rank 0 renames it to
 ``state-<id>`` and only then points ``LATEST`` at it. A crash or a killed rank at any moment
@@ -28,8 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nbaccel.accel import sharded_checkpoint
+
 FORMAT = 1
 LATEST = "LATEST"
+_LAYOUT_HINT = {
+    "plain": "whole state dicts, as DDP and single-process runs write them",
+    "sharded": "FSDP with fsdp_state_dict_type=SHARDED_STATE_DICT",
+    "full": "FSDP with fsdp_state_dict_type=FULL_STATE_DICT",
+}
 _ACCELERATE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin")
 
 
@@ -43,6 +55,9 @@ class Stateful:
     dataloaders: Sequence[Any]
     scaler: torch.amp.GradScaler | None
     custom: Sequence[Any]
+    # plain: rank 0 writes whole state dicts; sharded / full: FSDP through DCP
+    # (nbaccel.accel.sharded_checkpoint), every rank taking part.
+    layout: str = "plain"
 
     def counts(self) -> dict[str, int]:
         return {
@@ -67,11 +82,20 @@ def save_state(
     root = Path(directory)
     name = _agree_on_name(root, rank)
     staging = root / f".partial-{name}"
-    if rank == 0:
+    inner_optimizers = [getattr(o, "optimizer", o) for o in objects.optimizers]
+    if objects.layout != "plain":
+        sharded_checkpoint.save(
+            staging, objects.models, inner_optimizers, full=objects.layout == "full", rank=rank
+        )
+    for optimizer in inner_optimizers:
+        if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: every rank sends its part
+            optimizer.consolidate_state_dict(to=0)
+    if rank == 0 and objects.layout == "plain":
         for i, model in enumerate(objects.models):
             torch.save(model.state_dict(), staging / f"model_{i}.pt")
         for i, optimizer in enumerate(objects.optimizers):
             torch.save(optimizer.state_dict(), staging / f"optimizer_{i}.pt")
+    if rank == 0:
         for i, scheduler in enumerate(objects.schedulers):
             torch.save(scheduler.state_dict(), staging / f"scheduler_{i}.pt")
         if objects.scaler is not None:
@@ -80,6 +104,7 @@ def save_state(
             torch.save(obj.state_dict(), staging / f"custom_{i}.pt")
         meta = {
             "format": FORMAT,
+            "layout": objects.layout,
             "counts": objects.counts(),
             "world_size": world_size,
             "progress": progress,
@@ -119,7 +144,7 @@ def _barrier() -> None:
 
 
 def load_state(
-    directory: str | os.PathLike[str], objects: Stateful, *, rank: int
+    directory: str | os.PathLike[str], objects: Stateful, *, rank: int, world_size: int = 1
 ) -> dict[str, int]:
     """Restore ``objects`` from the checkpoint under ``directory``; returns the progress saved
     with it (step counters).
@@ -135,21 +160,34 @@ def load_state(
             f"format {FORMAT}. Load it with the nbaccel version that wrote it."
         )
     _check_counts(folder, meta["counts"], objects.counts())
+    layout = meta.get("layout", "plain")
+    if layout != objects.layout:
+        raise ValueError(
+            f"load_state: {folder} holds the {layout!r} model layout, but this Accelerator "
+            f"saves and loads {objects.layout!r} ({_LAYOUT_HINT[objects.layout]}). Load it with "
+            "the strategy and fsdp_state_dict_type it was saved with."
+        )
 
     # Read everything first: a bad file must not leave a half-restored training state.
     def load(name: str) -> Any:
         return torch.load(folder / name, map_location="cpu", weights_only=True)
 
-    models = [load(f"model_{i}.pt") for i in range(len(objects.models))]
-    optimizers = [load(f"optimizer_{i}.pt") for i in range(len(objects.optimizers))]
+    plain = layout == "plain"
+    models = [load(f"model_{i}.pt") for i in range(len(objects.models))] if plain else []
+    optimizers = (
+        [load(f"optimizer_{i}.pt") for i in range(len(objects.optimizers))] if plain else []
+    )
     schedulers = [load(f"scheduler_{i}.pt") for i in range(len(objects.schedulers))]
     scaler = load("scaler.pt") if objects.scaler is not None else None
     custom = [load(f"custom_{i}.pt") for i in range(len(objects.custom))]
     rng_file = folder / f"random_states_{rank}.pt"
     rngs = load(rng_file.name) if rng_file.exists() else None
-    for model, state in zip(objects.models, models, strict=True):
+    if not plain:  # checks DCP's metadata before it fills the parameters in place
+        inner = [getattr(o, "optimizer", o) for o in objects.optimizers]
+        sharded_checkpoint.load(folder, objects.models, inner, full=layout == "full")
+    for model, state in zip(objects.models, models, strict=False):
         model.load_state_dict(state)
-    for optimizer, state in zip(objects.optimizers, optimizers, strict=True):
+    for optimizer, state in zip(objects.optimizers, optimizers, strict=False):
         optimizer.load_state_dict(state)
     for scheduler, state in zip(objects.schedulers, schedulers, strict=True):
         scheduler.load_state_dict(state)
@@ -157,8 +195,9 @@ def load_state(
         objects.scaler.load_state_dict(scaler)
     for obj, state in zip(objects.custom, custom, strict=True):
         obj.load_state_dict(state)
+    saved_world = int(meta.get("world_size", world_size))
     for loader, state in zip(objects.dataloaders, meta["dataloaders"], strict=True):
-        loader.load_state_dict(state)
+        loader.load_state_dict(state, saved_world_size=saved_world)
     if rngs is not None:  # absent when this run has more ranks than the saving one
         set_rng_states(rngs)
     return {name: int(value) for name, value in meta["progress"].items()}

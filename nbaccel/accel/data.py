@@ -249,11 +249,15 @@ class PreparedDataLoader(DataLoader[Any]):
             "seed": self.plan.seed,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position at the next iteration."""
+    def load_state_dict(self, state: dict[str, int], saved_world_size: int | None = None) -> None:
+        """Continue from a saved position at the next iteration.
+
+        Saved by a run with a different number of processes, the position is converted
+        through the global batch count (each rank's batch ``k`` is global batch ``k * N + r``).
+        """
         self.plan.seed = int(state["seed"])
         self.plan.epoch = int(state["epoch"])
-        self.batches_consumed = int(state["batches_consumed"])
+        self.batches_consumed = _converted(state, saved_world_size, self.plan)
         if self.batches_consumed >= len(self):  # saved at the end of an epoch
             self.plan.epoch += 1
             self.batches_consumed = 0
@@ -296,9 +300,16 @@ class PreparedIterableLoader:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": 0, "batches_consumed": self.batches_consumed, "seed": self.plan.seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.batches_consumed = int(state["batches_consumed"])
+    def load_state_dict(self, state: dict[str, int], saved_world_size: int | None = None) -> None:
+        self.batches_consumed = _converted(state, saved_world_size, self.plan)
         self._resuming = True
+
+
+def _converted(state: dict[str, int], saved_world_size: int | None, plan: ShardPlan) -> int:
+    consumed = int(state["batches_consumed"])
+    if saved_world_size is None or plan.split_batches or saved_world_size == plan.world_size:
+        return consumed  # with split_batches every rank counts global batches already
+    return consumed * saved_world_size // plan.world_size
 
 
 def _hand_out(

@@ -1,4 +1,4 @@
-"""Preparing a model: device, autocast forward, torch.compile, DDP; and undoing it.
+"""Preparing a model: device, autocast forward, torch.compile, DDP or FSDP; and undoing it.
 
 ``prepare_model`` returns what the training loop calls. ``unwrap_model`` peels DDP and
 torch.compile off again and restores the original ``forward``, so saved weights have
@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nbaccel.accel import sharding
 from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import ProcessState
+from nbaccel.config_sections import FSDPOptions
 
 # Marks a forward that prepare() wrapped in autocast; the original is kept on the wrapper.
 _ORIGINAL_FORWARD = "__nbaccel_original_forward__"
@@ -45,6 +47,28 @@ def prepare_model(
         device_ids = [state.device.index] if state.device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
     return model
+
+
+def prepare_sharded_model(
+    model: torch.nn.Module,
+    state: ProcessState,
+    precision: Precision,
+    options: FSDPOptions,
+    dynamo_backend: str,
+) -> dict[int, torch.nn.Parameter]:
+    """FSDP2 in place (see ``sharding``); returns {id(old parameter): sharded parameter}."""
+    if precision.dtype is not None and not hasattr(model.forward, _ORIGINAL_FORWARD):
+        # Parameters are cast by FSDP's policy; autocast still keeps softmax, norms and
+        # losses in fp32, as in the DDP path, so both strategies compute the same way.
+        model.forward = _autocast_forward(model.forward, precision)
+    swap = sharding.shard_model(model, options, state, precision.dtype)
+    if dynamo_backend != "no":
+        # torch.compile of the FSDP root compiles nothing (FACTS.md); compiling each shard
+        # unit in place does, with FSDP's hooks around the compiled forward.
+        units = [m for m in model.modules() if sharding.is_sharded(m) and m is not model]
+        for unit in units or [model]:
+            unit.compile(backend=dynamo_backend)
+    return swap
 
 
 def _autocast_forward(forward: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
@@ -89,10 +113,22 @@ def unwrap_model(
 
 
 def no_sync(model: torch.nn.Module) -> Any:
-    """DDP's no_sync for a DDP model; nothing to suspend otherwise."""
-    return (
-        model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
-    )
+    """Suspend gradient sync: DDP's no_sync, FSDP's requires_gradient_sync; else nothing."""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    if sharding.is_sharded(model):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    # Gradients accumulate unsharded-and-unreduced; the next synced backward reduce-scatters.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def save_model_file(model: torch.nn.Module, directory: Path) -> Path:
@@ -101,12 +137,17 @@ def save_model_file(model: torch.nn.Module, directory: Path) -> Path:
     safetensors refuses tensors that share storage (tied embeddings); its ``save_model``
     drops the duplicates and records them, and ``safetensors.torch.load_model`` restores.
     """
+    return save_state_file(model.state_dict(), directory)
+
+
+def save_state_file(weights: dict[str, torch.Tensor], directory: Path) -> Path:
+    """Write a state dict to ``directory/model.safetensors``, atomically."""
     from safetensors.torch import save_model
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "model.safetensors"
     partial = directory / ".model.safetensors.partial"
-    cpu_copy = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    cpu_copy = {k: v.detach().cpu() for k, v in weights.items()}
     # save_model reads state_dict(); give it CPU tensors without moving the live model.
     holder = _StateHolder(cpu_copy)
     save_model(holder, str(partial), metadata={"format": "pt"})

@@ -29,7 +29,7 @@ class Precision:
     True
     """
 
-    def __init__(self, mode: str, device: torch.device) -> None:
+    def __init__(self, mode: str, device: torch.device, sharded: bool = False) -> None:
         if mode not in MIXED_PRECISIONS:
             raise ConfigError(
                 f"mixed_precision={mode!r} is not one of {', '.join(map(repr, MIXED_PRECISIONS))}.",
@@ -39,9 +39,15 @@ class Precision:
         self.mode = mode
         self.device = device
         self.dtype = _DTYPES.get(mode)
-        self.scaler: torch.amp.GradScaler | None = (
-            torch.amp.GradScaler(device.type) if mode == "fp16" else None
-        )
+        self.scaler: torch.amp.GradScaler | None = None
+        if mode == "fp16" and sharded:
+            # Each FSDP rank sees only its gradient shards: the sharded scaler all-reduces
+            # "found inf" so that every rank skips the same steps.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device.type)
+        elif mode == "fp16":
+            self.scaler = torch.amp.GradScaler(device.type)
 
     @contextlib.contextmanager
     def autocast(self, enabled: bool = True) -> Iterator[None]:

@@ -12,6 +12,7 @@ import atexit
 import enum
 import gc
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -134,15 +135,27 @@ def _destroy_group_if_alive() -> None:
 
 
 def _distributed_type(config: Config, world: int, use_cuda: bool) -> DistributedType:
-    if config.strategy in ("fsdp", "deepspeed", "xla"):
-        # Sharding and TPUs come with their own engines; until those land the Accelerator
-        # must refuse rather than silently train unsharded.
+    if config.strategy == "xla":
+        # TPUs come with their own engine; until it lands the Accelerator must refuse
+        # rather than silently train somewhere else.
         raise ConfigError(
-            f"strategy={config.strategy!r} is not supported by nbaccel's Accelerator yet: "
-            "it would train without the sharding or device you asked for. Use "
-            "strategy='ddp' (or 'auto').",
+            "strategy='xla' is not supported by nbaccel's Accelerator yet: it would train "
+            "without the TPU you asked for. Use strategy='ddp' (or 'auto').",
             field="strategy",
         )
+    if config.strategy == "deepspeed":
+        return DistributedType.DEEPSPEED
+    if config.strategy == "fsdp":
+        if world == 1:
+            # As Accelerate users expect from FSDP on one GPU: it runs, with nothing to shard.
+            warnings.warn(
+                "strategy='fsdp' with one process: there is nothing to shard, so the model "
+                "trains unsharded. Checkpoints keep FSDP's layout and load onto any number "
+                "of processes. Launch with num_processes > 1 to shard.",
+                stacklevel=3,
+            )
+            return DistributedType.NO
+        return DistributedType.FSDP
     if world == 1:
         return DistributedType.NO
     return DistributedType.MULTI_GPU if use_cuda else DistributedType.MULTI_CPU

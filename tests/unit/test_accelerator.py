@@ -283,8 +283,16 @@ def test_config_max_grad_norm_clips_in_step_once(monkeypatch: pytest.MonkeyPatch
 def test_invalid_accumulation_and_unsupported_strategy_are_config_errors() -> None:
     with pytest.raises(nbaccel.ConfigError, match="gradient_accumulation_steps must be >= 1"):
         Accelerator(gradient_accumulation_steps=0)
-    with pytest.raises(nbaccel.ConfigError, match=r"strategy='fsdp' is not supported.*'ddp'"):
-        Accelerator(config=nbaccel.Config(strategy="fsdp"))
+    with pytest.raises(nbaccel.ConfigError, match=r"strategy='xla' is not supported.*'ddp'"):
+        Accelerator(config=nbaccel.Config(strategy="xla"))
+
+
+def test_fsdp_with_one_process_warns_and_trains_unsharded() -> None:
+    with pytest.warns(UserWarning, match="nothing to shard, so the model trains unsharded"):
+        acc = Accelerator(config=nbaccel.Config(strategy="fsdp"))
+    model = acc.prepare(torch.nn.Linear(3, 1))
+    assert acc.distributed_type.value == "NO"
+    assert type(model) is torch.nn.Linear
 
 
 # -- scheduler -----------------------------------------------------------------------------

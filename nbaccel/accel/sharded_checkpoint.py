@@ -1,0 +1,164 @@
+"""Model and optimizer state of FSDP runs, through ``torch.distributed.checkpoint`` (DCP).
+
+Two layouts, chosen by ``fsdp_state_dict_type``:
+
+- ``sharded``: every rank writes its own shards into ``<state>/sharded/`` with ``dcp.save``;
+  DCP's metadata records global shapes, so the state loads onto any number of processes
+  (2 -> 1, 1 -> 2), also into a process without a process group.
+- ``full``: the whole state dict gathered to rank 0 on the CPU and written as
+  ``model_<i>.pt`` / ``optimizer_<i>.pt`` (optimizer keyed by parameter name).
+
+Either way the files sit inside the staging folder that ``checkpoint.save_state`` renames
+only after every rank finished, so a crash leaves the previous checkpoint whole. Loading
+checks DCP's metadata against the model before anything is written into it, because
+``dcp.load`` fills the live parameters in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+SHARDED_FOLDER = "sharded"
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def owners(models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> list[int]:
+    """For each optimizer, the index of the model whose parameters it updates."""
+    found = []
+    for i, optimizer in enumerate(optimizers):
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        match = [j for j, m in enumerate(models) if any(id(p) in params for p in m.parameters())]
+        if not match:
+            raise ValueError(
+                f"save_state/load_state: optimizer {i} updates no parameter of a prepared "
+                "model; with FSDP its state is saved by parameter name, so prepare() the "
+                "model it trains in the same Accelerator."
+            )
+        found.append(match[0])
+    return found
+
+
+def _state(
+    models: Sequence[torch.nn.Module], optimizers: Sequence[Any], options: StateDictOptions
+) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for i, model in enumerate(models):
+        state[f"model_{i}"] = get_model_state_dict(model, options=options)
+    for i, (optimizer, owner) in enumerate(
+        zip(optimizers, owners(models, optimizers), strict=True)
+    ):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(
+            models[owner], optimizer, options=options
+        )
+    return state
+
+
+def save(
+    folder: Path,
+    models: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    *,
+    full: bool,
+    rank: int,
+) -> None:
+    """Write models' and optimizers' state into ``folder``; every rank must call it."""
+    if not full:
+        dcp_save(
+            _state(models, optimizers, StateDictOptions()), checkpoint_id=folder / SHARDED_FOLDER
+        )
+        return
+    state = _state(models, optimizers, _FULL)  # collective: every rank gathers
+    if rank == 0:
+        for key, value in state.items():
+            torch.save(value, folder / f"{key}.pt")
+
+
+def load(
+    folder: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Any], *, full: bool
+) -> None:
+    """Restore what ``save`` wrote, resharding to this run's processes."""
+    if full:
+        options = StateDictOptions(full_state_dict=True)
+        loaded = {
+            f.stem: torch.load(f, map_location="cpu", weights_only=True)
+            for f in folder.glob("*_*.pt")
+            if f.stem.startswith(("model_", "optimizer_"))
+        }
+        _apply(models, optimizers, loaded, options)
+        return
+    state = _state(models, optimizers, StateDictOptions())
+    _check_metadata(folder / SHARDED_FOLDER, state)
+    dcp_load(state, checkpoint_id=folder / SHARDED_FOLDER)
+    _apply(models, optimizers, state, StateDictOptions())
+
+
+def _apply(
+    models: Sequence[torch.nn.Module],
+    optimizers: Sequence[Any],
+    state: dict[str, Any],
+    options: StateDictOptions,
+) -> None:
+    for i, model in enumerate(models):
+        set_model_state_dict(model, state[f"model_{i}"], options=options)
+    for i, (optimizer, owner) in enumerate(
+        zip(optimizers, owners(models, optimizers), strict=True)
+    ):
+        set_optimizer_state_dict(models[owner], optimizer, state[f"optimizer_{i}"], options=options)
+
+
+def _check_metadata(path: Path, state: dict[str, Any]) -> None:
+    # dcp.load writes into the live parameters as it reads: compare names and global
+    # shapes first, so a foreign checkpoint changes nothing.
+    if not (path / ".metadata").exists():
+        raise ValueError(
+            f"load_state: {path.parent} has no sharded model state (no {SHARDED_FOLDER}/"
+            ".metadata): it was saved without FSDP's sharded state dict. Load it with the "
+            "strategy it was saved with."
+        )
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wrong = []
+    for key, value in _flatten(state):
+        if not isinstance(value, torch.Tensor):
+            continue  # hyperparameters and names: DCP stores them as pickled bytes
+        meta = saved.get(key)
+        size = tuple(getattr(meta, "size", ()))
+        if meta is None:
+            wrong.append(f"{key} is not in the checkpoint")
+        elif size and size != tuple(value.shape):
+            wrong.append(f"{key}: saved {size}, now {tuple(value.shape)}")
+    if wrong:
+        shown = "; ".join(wrong[:5]) + (f"; and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+        raise ValueError(
+            f"load_state: the sharded checkpoint in {path.parent} does not match the prepared "
+            f"models and optimizers ({shown}). Load it into the same model architecture and "
+            "optimizer it was saved from."
+        )
+
+
+def _flatten(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    # DCP's metadata keys are the dotted paths of the nested state dict.
+    if isinstance(state, dict):
+        items: list[tuple[str, Any]] = []
+        for key, value in state.items():
+            items += _flatten(value, f"{prefix}.{key}" if prefix else str(key))
+        return items
+    return [(prefix, state)]
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict on the CPU (rank 0 gets it; every rank must call)."""
+    return dict(get_model_state_dict(model, options=_FULL))  # type: ignore[arg-type]
