@@ -147,12 +147,19 @@ def save_state_file(weights: dict[str, torch.Tensor], directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "model.safetensors"
     partial = directory / ".model.safetensors.partial"
-    cpu_copy = {k: v.detach().cpu() for k, v in weights.items()}
+    cpu_copy = {k: _own_storage(v.detach().cpu()) for k, v in weights.items()}
     # save_model reads state_dict(); give it CPU tensors without moving the live model.
     holder = _StateHolder(cpu_copy)
     save_model(holder, str(partial), metadata={"format": "pt"})
     partial.replace(path)
     return path
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    # A slice of a bigger buffer (FSDP's gathered parameters) is refused by safetensors as
+    # "not covering the entire storage"; tied weights (a whole shared storage) stay shared.
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole else tensor.clone()
 
 
 class _StateHolder(torch.nn.Module):

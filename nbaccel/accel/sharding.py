@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -52,6 +55,13 @@ def shard_model(
     >>> dist.destroy_process_group()
     """
     units = wrap_units(model, options)
+    if not units and options.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and state.world_size > 1:
+        warnings.warn(
+            "FSDP: no layer class to wrap (fsdp_transformer_layer_cls is empty and the model "
+            "has no _no_split_modules), so the whole model is one shard unit and every "
+            "parameter is gathered at once. Name the block class, or use SIZE_BASED_WRAP.",
+            stacklevel=4,
+        )
     if options.activation_checkpointing:
         if not units:
             raise ConfigError(
@@ -62,6 +72,9 @@ def shard_model(
             )
         for unit in units:
             _checkpoint_forward(unit)
+    if options.cpu_offload:
+        params = sum(p.numel() for p in model.parameters())
+        check_host_memory(params, state, psutil.virtual_memory().available)
     names = {id(p): name for name, p in model.named_parameters()}
     if state.device.type == "cuda" and not options.cpu_offload:
         model.to(state.device)
@@ -84,6 +97,30 @@ def shard_model(
     fully_shard(model, **settings)
     new = dict(model.named_parameters())
     return {old_id: new[name] for old_id, name in names.items() if name in new}
+
+
+def check_host_memory(num_params: int, state: ProcessState, available: int) -> None:
+    """Refuse CPU offload that cannot fit in host memory, before anything is moved.
+
+    Counts what offload certainly puts there: every local rank's fp32 parameter and
+    gradient shards (8 bytes per parameter in all); optimizer state comes on top.
+
+    >>> from nbaccel.accel.state import DistributedType
+    >>> two = ProcessState(0, 0, 2, 2, torch.device("cpu"), DistributedType.FSDP, "")
+    >>> check_host_memory(1_000_000_000, two, available=4 * 2**30)
+    Traceback (most recent call last):
+    ...
+    nbaccel.errors.ConfigError: fsdp_cpu_offload keeps parameter and gradient shards in host ...
+    """
+    share = num_params * 8 / state.world_size * state.local_world_size
+    if share > available:
+        raise ConfigError(
+            f"fsdp_cpu_offload keeps parameter and gradient shards in host memory: at least "
+            f"{share / 2**30:.1f} GiB for this machine's {state.local_world_size} process(es) "
+            f"({num_params:,} parameters, before optimizer state), but {available / 2**30:.1f} "
+            "GiB is available. Turn offload off, use more machines, or free host memory.",
+            field="fsdp_cpu_offload",
+        )
 
 
 def wrap_units(model: torch.nn.Module, options: FSDPOptions) -> list[torch.nn.Module]:
@@ -205,4 +242,8 @@ def zero1_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             "(its state would be lost when it is sharded). Call prepare() before training."
         )
     groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+    # defaults may hold entries the constructor does not take (AdamW's
+    # decoupled_weight_decay); the groups carry every hyperparameter anyway.
+    accepted = inspect.signature(type(optimizer)).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)

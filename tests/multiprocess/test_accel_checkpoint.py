@@ -55,21 +55,32 @@ def train_resumable(checkpoint: str, steps: int, mode: str) -> list[Any]:
                 break
     if mode == "save":
         acc.save_state(checkpoint)
-    return [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+    # FSDP's parameters are shards (DTensors): gather them whole (every rank takes part).
+    params = acc.unwrap_model(model).parameters()
+    return [getattr(p, "full_tensor", p.detach)().detach().clone() for p in params]
 
 
-def test_resume_equals_the_uninterrupted_run(tmp_path: Path, runs_dir: str) -> None:
+STRATEGIES = {
+    "ddp": {},
+    "zero1": {"shard_optimizer_state": True},  # consolidated optimizer state, loaded by all
+    # Sharded: each rank writes its shards through torch.distributed.checkpoint.
+    "fsdp-sharded": {
+        "strategy": "fsdp",
+        "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+        "fsdp_min_num_params": 100,
+    },
+    "fsdp-full": {"strategy": "fsdp", "fsdp_state_dict_type": "FULL_STATE_DICT"},
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_equals_the_uninterrupted_run(tmp_path: Path, runs_dir: str, strategy: str) -> None:
     checkpoint = str(tmp_path / "ckpt")
-    straight = nbaccel.launch(
-        train_resumable, args=(checkpoint, 20, "fresh"), num_processes=2, runs_dir=runs_dir
-    )
-    first = nbaccel.launch(
-        train_resumable, args=(checkpoint, 10, "save"), num_processes=2, runs_dir=runs_dir
-    )
+    settings = {"num_processes": 2, "runs_dir": runs_dir, **STRATEGIES[strategy]}
+    straight = nbaccel.launch(train_resumable, args=(checkpoint, 20, "fresh"), **settings)
+    first = nbaccel.launch(train_resumable, args=(checkpoint, 10, "save"), **settings)
     first.wait(timeout=120)
-    second = nbaccel.launch(
-        train_resumable, args=(checkpoint, 10, "resume"), num_processes=2, runs_dir=runs_dir
-    )
+    second = nbaccel.launch(train_resumable, args=(checkpoint, 10, "resume"), **settings)
     expected = straight.result(timeout=120)
     resumed = second.result(timeout=120)
     for a, b in zip(expected, resumed, strict=True):
@@ -77,6 +88,13 @@ def test_resume_equals_the_uninterrupted_run(tmp_path: Path, runs_dir: str) -> N
     assert [m["step"] for m in second.metrics] == list(range(11, 21))
     assert second.metrics == straight.metrics[10:]  # identical losses and learning rates
     assert first.metrics == straight.metrics[:10]
+    if strategy == "fsdp-sharded":  # one file of shards per rank, plus DCP's metadata
+        (state,) = Path(checkpoint).glob("state-*")
+        assert sorted(f.name for f in (state / "sharded").iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
 
 
 def save_twice_dying_in_the_second(checkpoint: str, victim: int, file_prefix: str) -> None:
