@@ -33,6 +33,7 @@ def _multi_node(values: Mapping[str, Any]) -> bool:
 APPLIES_WHEN: dict[str, Predicate] = {
     "fsdp.": lambda values: values["strategy"] == "fsdp",
     "deepspeed.": lambda values: values["strategy"] == "deepspeed",
+    "shard_optimizer_state": lambda values: values["strategy"] in ("auto", "ddp"),
     **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
     "rdzv_timeout": _multi_node,
 }
