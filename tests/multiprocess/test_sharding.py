@@ -75,6 +75,9 @@ def train_blocks(per_rank: int, accumulation: int, steps: int = 3, **settings: A
         "units": sorted(
             name for name, m in model.named_modules() if type(m).__name__.startswith("FSDP")
         ),
+        "compiled": sorted(
+            name for name, m in model.named_modules() if m._compiled_call_impl is not None
+        ),
         "reductions": reductions[0],
         "forwards_per_step": forwards[0] / len(data),
         "loss_dtype": str(losses[0]),
@@ -149,6 +152,20 @@ def test_wrapping_by_size_and_none(runs_dir: str) -> None:
         fsdp_auto_wrap_policy="NO_WRAP",
     )
     assert none["units"] == [""]
+
+
+def test_dynamo_compiles_each_shard_unit(runs_dir: str) -> None:
+    one = nbaccel.notebook_launcher(train_blocks, args=(8, 1), num_processes=1, runs_dir=runs_dir)
+    compiled = nbaccel.notebook_launcher(
+        train_blocks,
+        args=(4, 1),
+        num_processes=2,
+        runs_dir=runs_dir,
+        dynamo_backend="aot_eager",  # inductor's cold compile is ~40 s here; same path
+        **BY_CLASS,
+    )
+    assert compiled["compiled"] == ["0", "1", "2"]  # the blocks; compiling the root does not
+    assert_close(one["weights"], compiled["weights"])
 
 
 def test_a_layer_class_that_is_not_in_the_model_names_close_matches(runs_dir: str) -> None:
