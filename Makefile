@@ -35,6 +35,7 @@ notebook: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/launch_latency.py
 	$(PY) benchmarks/step_overhead.py
+	$(PY) benchmarks/sharding_memory.py
 
 clean:
 	rm -rf $(VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache
