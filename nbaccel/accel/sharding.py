@@ -43,16 +43,8 @@ def shard_model(
 ) -> dict[int, torch.nn.Parameter]:
     """Apply FSDP2 to ``model`` in place; returns {id(old parameter): new parameter}.
 
-    >>> import torch, torch.distributed as dist
-    >>> from nbaccel.accel.state import ProcessState, DistributedType
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> one = ProcessState(0, 0, 1, 1, torch.device("cpu"), DistributedType.FSDP, "")
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    >>> options = FSDPOptions(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10)
-    >>> swap = shard_model(model, options, one, None)
-    >>> [type(m).__name__ for m in model], type(model[0].weight).__name__
-    (['FSDPLinear', 'Linear'], 'DTensor')
-    >>> dist.destroy_process_group()
+    Needs the default process group (the launcher's, or torchrun's); see ``wrap_units`` for
+    which submodules become shard units.
     """
     units = wrap_units(model, options)
     if not units and options.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and state.world_size > 1:
@@ -124,7 +116,15 @@ def check_host_memory(num_params: int, state: ProcessState, available: int) -> N
 
 
 def wrap_units(model: torch.nn.Module, options: FSDPOptions) -> list[torch.nn.Module]:
-    """The submodules that become their own shard unit, innermost first (root excluded)."""
+    """The submodules that become their own shard unit, innermost first (root excluded).
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    >>> wrap_units(model, FSDPOptions(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=10))
+    [Linear(in_features=4, out_features=4, bias=True)]
+    >>> by_class = FSDPOptions(transformer_layer_cls="Linear")
+    >>> [unit.out_features for unit in wrap_units(model, by_class)]
+    [4, 1]
+    """
     policy = options.auto_wrap_policy
     if policy == "NO_WRAP":
         return []
