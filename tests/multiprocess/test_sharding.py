@@ -419,3 +419,84 @@ def test_hybrid_shard_shards_within_a_machine_and_replicates_across(runs_dir: st
     assert across["placements"] == within["placements"] == ["Replicate", "Shard"]
     assert_close(one["weights"], across["weights"])
     assert_close(one["weights"], within["weights"])
+
+
+def save_twice_dying_inside_dcp(checkpoint: str, victim: int) -> None:
+    """Save after 2 steps; in the next save, ``victim`` dies while DCP writes its shards."""
+    import os
+    import signal
+
+    import torch
+
+    import nbaccel.accel.sharded_checkpoint as sharded
+
+    acc = nbaccel.Accelerator()
+    model = blocks_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+
+    def train() -> None:
+        for _ in range(2):
+            acc.backward(model(torch.ones(4, 8)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train()
+    acc.save_state(checkpoint)
+    expected = full_weights(model)
+    if acc.is_main_process:
+        torch.save(expected, f"{checkpoint}-expected.pt")
+    train()
+    real_save = sharded.dcp_save
+
+    def die_while_writing(state: Any, checkpoint_id: Any) -> Any:
+        if acc.process_index == victim:  # a torn shard file, as a crash mid-write leaves
+            Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+            (Path(checkpoint_id) / f"__{victim}_0.distcp").write_bytes(b"torn")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    sharded.dcp_save = die_while_writing
+    acc.save_state(checkpoint)
+
+
+def load_and_save_again(checkpoint: str) -> dict[str, Any]:
+    import torch
+
+    acc = nbaccel.Accelerator()
+    model = blocks_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    acc.load_state(checkpoint)
+    acc.save_state(checkpoint)  # a later save clears what the killed one left
+    return full_weights(model)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint_whole(
+    tmp_path: Path, runs_dir: str, victim: int
+) -> None:
+    import torch
+
+    checkpoint = tmp_path / "ckpt"
+    run = nbaccel.launch(
+        save_twice_dying_inside_dcp,
+        args=(str(checkpoint), victim),
+        num_processes=2,
+        runs_dir=runs_dir,
+        **BY_CLASS,
+    )
+    with pytest.raises(nbaccel.WorkerError) as failure:
+        run.result(timeout=120)
+    assert failure.value.rank == victim and failure.value.signal_name == "SIGKILL"
+    assert list(checkpoint.glob(".partial-*/sharded")), "the kill should hit the second save"
+    restored = nbaccel.notebook_launcher(
+        load_and_save_again,
+        args=(str(checkpoint),),
+        num_processes=2,
+        runs_dir=runs_dir,
+        **BY_CLASS,
+    )
+    assert_close(torch.load(f"{checkpoint}-expected.pt", weights_only=True), restored)
+    assert not list(checkpoint.glob(".partial-*"))
+    assert len(list(checkpoint.glob("state-*"))) == 1
