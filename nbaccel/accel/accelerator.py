@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from nbaccel.accel import checkpoint, models, sharded_checkpoint, sharding
-from nbaccel.accel.coordination import ProcessCoordination
 from nbaccel.accel.data import (
     PreparedDataLoader,
     PreparedIterableLoader,
     ShardPlan,
     is_iterable_dataset,
 )
+from nbaccel.accel.deepspeed_engine import DeepSpeedRun
+from nbaccel.accel.deepspeed_prepare import prepare_deepspeed
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import (
@@ -38,9 +39,10 @@ from nbaccel.accel.state import (
     detect_process_state,
     launch_config,
 )
-from nbaccel.accel.trackers import Tracker, start_trackers
+from nbaccel.accel.trackers import Tracker
+from nbaccel.accel.tracking import Tracking
 from nbaccel.config import Config
-from nbaccel.metrics import log_metrics
+from nbaccel.deepspeed_config import mixed_precision_of
 
 _SCHEDULER_TYPES: tuple[type, ...] = (
     torch.optim.lr_scheduler.LRScheduler,
@@ -48,7 +50,7 @@ _SCHEDULER_TYPES: tuple[type, ...] = (
 )
 
 
-class Accelerator(ProcessCoordination):
+class Accelerator(Tracking):
     """Runs one training loop correctly on 1 process, N CPU processes or N GPUs.
 
     >>> import torch
@@ -98,6 +100,7 @@ class Accelerator(ProcessCoordination):
             self.config.mixed_precision,
             self.state.device,
             sharded=self.state.distributed_type is DistributedType.FSDP,
+            engine_scales=self.state.distributed_type is DistributedType.DEEPSPEED,
         )
         self.gradients = GradientState(accumulation_steps=self.config.gradient_accumulation_steps)
         self.device_placement = device_placement
@@ -116,6 +119,7 @@ class Accelerator(ProcessCoordination):
         # ZeRO-1's optimizer, so later optimizers and schedulers follow the replacements.
         self._new_params: dict[int, torch.nn.Parameter] = {}
         self._new_optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._deepspeed: DeepSpeedRun | None = None  # strategy='deepspeed': its one engine
 
     # -- who and where -------------------------------------------------------------------
     device = property(lambda self: self.state.device)
@@ -136,11 +140,6 @@ class Accelerator(ProcessCoordination):
         """True when the last step was skipped for inf/NaN fp16 gradients."""
         return any(opt.step_was_skipped for opt in self._optimizers)
 
-    @property
-    def project_dir(self) -> Path:
-        """Where trackers write: ``project_dir`` from the config, else the run's folder."""
-        return Path(self.config.project_dir or self.state.run_dir or ".")
-
     # -- prepare ---------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
         """Wrap models, optimizers, schedulers and dataloaders, in any order and number.
@@ -150,6 +149,26 @@ class Accelerator(ProcessCoordination):
         kinds = [_kind(obj, i) for i, obj in enumerate(objects)]
         placement = device_placement or [self.device_placement] * len(objects)
         result: list[Any] = list(objects)
+        if self.distributed_type is DistributedType.DEEPSPEED:
+            replaced, self._deepspeed, ds_config = prepare_deepspeed(
+                result,
+                kinds,
+                config=self.config,
+                world_size=self.num_processes,
+                split_batches=self.split_batches,
+                step_scheduler_with_optimizer=self.step_scheduler_with_optimizer,
+            )
+            for i, obj in replaced.items():
+                result[i], kinds[i] = obj, "engine"
+            # A DeepSpeed config file may set these; the engine follows it, so must we.
+            self.gradients.accumulation_steps = int(ds_config["gradient_accumulation_steps"])
+            mode = mixed_precision_of(ds_config, self.config.mixed_precision)
+            self.precision = Precision(mode, self.device, engine_scales=True)
+            self._models.append(self._deepspeed.engine)
+            if self._deepspeed.optimizer is not None:  # for step_was_skipped and checkpoints
+                self._optimizers.append(self._deepspeed.optimizer)
+            if self._deepspeed.scheduler is not None:
+                self._schedulers.append(self._deepspeed.scheduler)
         # Models first (optimizers hold their parameters), schedulers after optimizers.
         for wanted in ("model", "optimizer", "scheduler", "dataloader"):
             for i, (obj, kind) in enumerate(zip(objects, kinds, strict=True)):
@@ -226,6 +245,9 @@ class Accelerator(ProcessCoordination):
     # -- the step --------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided by the accumulation steps and scaled for fp16."""
+        if self._deepspeed is not None:  # the engine divides, scales, clips and steps
+            self._deepspeed.backward(loss, sync_gradients=self.sync_gradients, **kwargs)
+            return
         if self.gradients.accumulation_steps > 1:
             loss = loss / self.gradients.accumulation_steps
         if self.precision.scaler is not None:
@@ -278,6 +300,9 @@ class Accelerator(ProcessCoordination):
         """
         if not self.gradients.sync_gradients:
             return None
+        if self._deepspeed is not None:  # clipped by the engine (gradient_clipping)
+            norm_seen = self._deepspeed.global_grad_norm()
+            return None if norm_seen is None else torch.tensor(norm_seen)
         self._mark_clipped()
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
         # FSDP's gradients are DTensors and so is their norm; callers log a plain tensor.
@@ -310,12 +335,18 @@ class Accelerator(ProcessCoordination):
     ) -> Any:
         """The user's module without DDP; without torch.compile and the autocast forward too
         when asked (Accelerate's defaults keep both, so training goes on unchanged)."""
+        if self._deepspeed is not None and model is self._deepspeed.engine:
+            return self._deepspeed.engine.module
         return models.unwrap_model(
             model, keep_autocast=keep_fp32_wrapper, keep_compile=keep_torch_compile
         )
 
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str]) -> None:
         """Write the consolidated weights to ``save_directory/model.safetensors`` (rank 0)."""
+        if self._deepspeed is not None:  # gathered from every rank's ZeRO partitions
+            self._deepspeed.save_model(save_directory)
+            self.wait_for_everyone()
+            return
         inner = models.unwrap_model(model, keep_autocast=True)
         if sharding.is_sharded(inner):  # gathered from every rank's shards, onto rank 0's CPU
             weights = sharded_checkpoint.full_model_state(inner)
@@ -360,9 +391,12 @@ class Accelerator(ProcessCoordination):
             scaler=self.precision.scaler,
             custom=self._custom,
             layout=self._checkpoint_layout(),
+            engine=self._deepspeed,
         )
 
     def _checkpoint_layout(self) -> str:
+        if self._deepspeed is not None:
+            return "deepspeed"
         if self.config.strategy != "fsdp":
             return "plain"
         return "sharded" if self.config.fsdp.state_dict_type == "SHARDED_STATE_DICT" else "full"
@@ -384,35 +418,6 @@ class Accelerator(ProcessCoordination):
         )
         self.step = progress["step"]
         self.gradients.micro_steps_in_cycle = progress["cycle"]
-
-    # -- logging ---------------------------------------------------------------------------
-    def init_trackers(
-        self,
-        project_name: str,
-        config: dict[str, Any] | None = None,
-        init_kwargs: dict[str, dict[str, Any]] | None = None,
-    ) -> None:
-        """Start the ``log_with`` trackers (main process) under ``project_dir``."""
-        if self.is_main_process:
-            self.trackers = start_trackers(
-                self.config.log_with, project_name, self.project_dir, config, init_kwargs
-            )
-
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        """Record scalars from the main process: ``run.metrics``, the live curve, trackers."""
-        if not self.is_main_process:
-            return
-        record = log_metrics(values, step=step)
-        step_value = record.pop("step")
-        for tracker in self.trackers:
-            tracker.log(record, step_value)
-
-    def end_training(self) -> None:
-        """Flush and close the trackers; call at the end of training."""
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
-        self.wait_for_everyone()
 
 
 def _kind(obj: Any, index: int) -> str:

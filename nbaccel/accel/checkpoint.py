@@ -41,6 +41,7 @@ _LAYOUT_HINT = {
     "plain": "whole state dicts, as DDP and single-process runs write them",
     "sharded": "FSDP with fsdp_state_dict_type=SHARDED_STATE_DICT",
     "full": "FSDP with fsdp_state_dict_type=FULL_STATE_DICT",
+    "deepspeed": "DeepSpeed's own checkpoint of its engine",
 }
 _ACCELERATE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin")
 
@@ -58,6 +59,7 @@ class Stateful:
     # plain: rank 0 writes whole state dicts; sharded / full: FSDP through DCP
     # (nbaccel.accel.sharded_checkpoint), every rank taking part.
     layout: str = "plain"
+    engine: Any = None  # layout "deepspeed": the DeepSpeedRun whose engine checkpoints itself
 
     def counts(self) -> dict[str, int]:
         return {
@@ -83,7 +85,9 @@ def save_state(
     name = _agree_on_name(root, rank)
     staging = root / f".partial-{name}"
     inner_optimizers = [getattr(o, "optimizer", o) for o in objects.optimizers]
-    if objects.layout != "plain":
+    if objects.layout == "deepspeed":  # every rank writes its ZeRO partitions
+        objects.engine.save_checkpoint(staging)
+    elif objects.layout != "plain":
         sharded_checkpoint.save(
             staging, objects.models, inner_optimizers, full=objects.layout == "full", rank=rank
         )
@@ -182,7 +186,9 @@ def load_state(
     custom = [load(f"custom_{i}.pt") for i in range(len(objects.custom))]
     rng_file = folder / f"random_states_{rank}.pt"
     rngs = load(rng_file.name) if rng_file.exists() else None
-    if not plain:  # checks DCP's metadata before it fills the parameters in place
+    if layout == "deepspeed":
+        objects.engine.load_checkpoint(folder)
+    elif not plain:  # checks DCP's metadata before it fills the parameters in place
         inner = [getattr(o, "optimizer", o) for o in objects.optimizers]
         sharded_checkpoint.load(folder, objects.models, inner, full=layout == "full")
     for model, state in zip(objects.models, models, strict=False):

@@ -29,7 +29,9 @@ class Precision:
     True
     """
 
-    def __init__(self, mode: str, device: torch.device, sharded: bool = False) -> None:
+    def __init__(
+        self, mode: str, device: torch.device, sharded: bool = False, engine_scales: bool = False
+    ) -> None:
         if mode not in MIXED_PRECISIONS:
             raise ConfigError(
                 f"mixed_precision={mode!r} is not one of {', '.join(map(repr, MIXED_PRECISIONS))}.",
@@ -40,13 +42,15 @@ class Precision:
         self.device = device
         self.dtype = _DTYPES.get(mode)
         self.scaler: torch.amp.GradScaler | None = None
-        if mode == "fp16" and sharded:
+        if mode != "fp16" or engine_scales:  # DeepSpeed's engine scales fp16 losses itself
+            return
+        if sharded:
             # Each FSDP rank sees only its gradient shards: the sharded scaler all-reduces
             # "found inf" so that every rank skips the same steps.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(device.type)
-        elif mode == "fp16":
+        else:
             self.scaler = torch.amp.GradScaler(device.type)
 
     @contextlib.contextmanager

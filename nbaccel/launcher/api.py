@@ -23,6 +23,7 @@ from nbaccel.accelerate_compat import accelerate_env
 from nbaccel.config import Config, shown_ranks
 from nbaccel.config_files import as_nested
 from nbaccel.context import ProcessContext
+from nbaccel.deepspeed_config import deepspeed_config
 from nbaccel.devices import visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.launcher.helper import shared_helper
@@ -182,6 +183,7 @@ def check_environment(config: Config, gpus: int, installed: Callable[[str], bool
                 "strategy='fsdp' (sharding that runs on CPU too).",
                 field="strategy",
             )
+        deepspeed_config(config)  # reads and checks the DeepSpeed config: refused before launch
 
 
 def _installed(package: str) -> bool:

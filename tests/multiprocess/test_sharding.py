@@ -500,3 +500,32 @@ def test_a_rank_killed_while_writing_shards_leaves_the_previous_checkpoint_whole
     assert_close(torch.load(f"{checkpoint}-expected.pt", weights_only=True), restored)
     assert not list(checkpoint.glob(".partial-*"))
     assert len(list(checkpoint.glob("state-*"))) == 1
+
+
+def train_clipped(per_rank: int) -> dict[str, Any]:
+    import torch
+
+    acc = nbaccel.Accelerator()
+    model = blocks_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = acc.prepare(model, optimizer)
+    data = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(1))
+    norms = []
+    for batch in data:
+        acc.backward(model(batch[acc.process_index * per_rank :][:per_rank]).pow(2).mean())
+        norm = acc.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        norms.append((type(norm).__name__, round(float(norm), 6)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"norms": norms, "weights": full_weights(acc.unwrap_model(model))}
+
+
+def test_clip_grad_norm_clips_the_global_norm_of_sharded_gradients(runs_dir: str) -> None:
+    one = nbaccel.notebook_launcher(train_clipped, args=(8,), num_processes=1, runs_dir=runs_dir)
+    two = nbaccel.notebook_launcher(
+        train_clipped, args=(4,), num_processes=2, runs_dir=runs_dir, **BY_CLASS
+    )
+    # The norm over all shards (a plain tensor, not a DTensor), equal to one process's.
+    assert two["norms"] == one["norms"]
+    assert all(kind == "Tensor" and norm > 0.05 for kind, norm in two["norms"])  # it clipped
+    assert_close(one["weights"], two["weights"])
