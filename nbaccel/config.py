@@ -74,6 +74,11 @@ class Config:
         accelerate_env="ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
         minimum=1,
     )
+    sync_each_batch: bool = schema_field(
+        False,
+        "With accumulation, reduce gradients on every micro-batch, not only the last: more "
+        "communication, but FSDP keeps gradients sharded in between (less memory).",
+    )
     max_grad_norm: float | None = schema_field(
         None,
         "Clip the gradient norm to this value before each step (none: no clipping).",

@@ -279,8 +279,9 @@ def estimate_for_config(
 
     ``world_size`` defaults to ``num_processes × num_machines``; pass it when
     ``num_processes`` is unset (one process per visible GPU). ``no_sync_accumulation``
-    defaults to ``gradient_accumulation_steps > 1`` (the ``accumulate(model)`` idiom);
-    pass False for a loop that uses ``accumulate()`` without the model.
+    defaults to ``gradient_accumulation_steps > 1`` without ``sync_each_batch`` (the
+    ``accumulate(model)`` idiom); pass False for a loop that uses ``accumulate()`` without
+    the model.
 
     >>> config = Config(num_processes=2, strategy="fsdp", mixed_precision="bf16")
     >>> estimate_for_config(config, 10**6).total
@@ -319,7 +320,7 @@ def estimate_for_config(
         engine=engine,
         offload_parameters=offload_params,
         no_sync_accumulation=(
-            config.gradient_accumulation_steps > 1
+            config.gradient_accumulation_steps > 1 and not config.sync_each_batch
             if no_sync_accumulation is None
             else no_sync_accumulation
         ),

@@ -81,6 +81,7 @@ class Accelerator(Tracking):
         even_batches: bool = True,
         step_scheduler_with_optimizer: bool = True,
         ddp_kwargs: dict[str, Any] | None = None,
+        gradient_accumulation_plugin: Any = None,
         config: Config | None = None,
     ) -> None:
         explicit = {
@@ -91,6 +92,9 @@ class Accelerator(Tracking):
             "project_dir": os.fspath(project_dir) if project_dir is not None else None,
             "dynamo_backend": dynamo_backend,
         }
+        if gradient_accumulation_plugin is not None:  # Accelerate's, read by its fields
+            explicit["gradient_accumulation_steps"] = gradient_accumulation_plugin.num_steps
+            explicit["sync_each_batch"] = gradient_accumulation_plugin.sync_each_batch
         # Validated here (ConfigError naming the choices) before any state is touched.
         self.config = launch_config(config).replace(
             **{k: v for k, v in explicit.items() if v is not None}
@@ -258,7 +262,8 @@ class Accelerator(Tracking):
     def accumulate(self, *models_: torch.nn.Module) -> Iterator[None]:
         """One micro-step: gradients sync (and the optimizer steps) every k-th call.
 
-        On the other calls DDP's all-reduce is suspended (``no_sync``) and ``step`` /
+        On the other calls the gradient reduction of DDP or FSDP is suspended (unless
+        ``sync_each_batch``) and ``step`` /
         ``zero_grad`` of prepared optimizers do nothing. The last batch of a prepared
         dataloader always syncs, so an epoch never ends with gradients left over.
         """
@@ -271,7 +276,7 @@ class Accelerator(Tracking):
         if grads.sync_gradients:  # the next epoch (or cycle) starts a fresh count
             grads.micro_steps_in_cycle = 0
         with contextlib.ExitStack() as stack:
-            if not self.gradients.sync_gradients:
+            if not self.gradients.sync_gradients and not self.config.sync_each_batch:
                 for model in models_:
                     stack.enter_context(models.no_sync(model))
             yield

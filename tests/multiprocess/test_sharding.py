@@ -129,6 +129,17 @@ def test_accumulation_reduces_gradients_only_on_the_syncing_step(runs_dir: str) 
     )
     assert synced_every_step["reductions"] == 4 * 4
     assert accumulating["reductions"] == 4  # 4 micro-steps, only the last one reduces
+    # sync_each_batch trades that back for sharded gradients between micro-steps.
+    each = nbaccel.notebook_launcher(
+        train_blocks,
+        args=(4, 4, 1),
+        num_processes=2,
+        runs_dir=runs_dir,
+        sync_each_batch=True,
+        **BY_CLASS,
+    )
+    assert each["reductions"] == 4 * 4
+    assert_close(accumulating["weights"], each["weights"])
 
 
 def test_wrapping_by_size_and_none(runs_dir: str) -> None:

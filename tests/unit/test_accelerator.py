@@ -482,3 +482,12 @@ def test_outputs_with_non_tensor_leaves_still_come_back_in_fp32() -> None:
     out = acc.prepare(Scored())(torch.randn(4, 3))
     assert out["logits"].dtype == torch.float32  # computed in bf16, handed back in fp32
     assert (out["count"], out["note"]) == (4, "ok")
+
+
+def test_accelerates_gradient_accumulation_plugin_is_read_by_its_fields() -> None:
+    from types import SimpleNamespace
+
+    plugin = SimpleNamespace(num_steps=3, sync_each_batch=True)  # GradientAccumulationPlugin
+    acc = Accelerator(gradient_accumulation_plugin=plugin)
+    assert acc.gradient_accumulation_steps == 3
+    assert acc.config.sync_each_batch is True

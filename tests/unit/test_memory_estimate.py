@@ -384,3 +384,10 @@ def test_importing_and_estimating_keep_torch_out() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "TORCH_MODULES []" in result.stdout
+
+
+def test_sync_each_batch_keeps_fsdp_gradients_sharded_while_accumulating() -> None:
+    accumulating = Config(num_processes=2, strategy="fsdp", gradient_accumulation_steps=4)
+    assert estimate_for_config(accumulating, 10**6).gradients == 4 * 10**6  # whole, unreduced
+    each = accumulating.replace(sync_each_batch=True)
+    assert estimate_for_config(each, 10**6).gradients == 2 * 10**6  # 4 bytes / 2 ranks
