@@ -44,6 +44,15 @@ class RunStarted:
 
 
 @dataclass(frozen=True)
+class WorkerStarted:
+    """A worker process is up (before the function runs): its pid, for memory readings."""
+
+    rank: int
+    pid: int
+    time: float
+
+
+@dataclass(frozen=True)
 class LogLine:
     """One line of a rank's output.
 
@@ -83,7 +92,7 @@ class RunEnded:
     time: float
 
 
-Event = RunStarted | LogLine | Metric | RankExited | RunEnded
+Event = RunStarted | WorkerStarted | LogLine | Metric | RankExited | RunEnded
 
 
 def encode_frame(message: Mapping[str, Any]) -> bytes:

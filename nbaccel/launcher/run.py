@@ -34,6 +34,7 @@ from nbaccel.events import (
     RunEnded,
     RunStarted,
     RunState,
+    WorkerStarted,
 )
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.failures import Failure, build_error
@@ -54,6 +55,7 @@ class _Rank:
     splitter: LineSplitter = field(default_factory=LineSplitter)
     decoder: FrameDecoder = field(default_factory=FrameDecoder)
     exitcode: int | None = None
+    pid: int | None = None  # reported by the worker when it starts
     result: bytes | None = None
     has_result: bool = False
 
@@ -121,6 +123,11 @@ class Run:
         if status is None or status == 0:
             return 1
         return 128 - status if status < 0 else status
+
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        """{rank: pid} of the workers that have started (for memory readings)."""
+        return {r.rank: r.pid for r in self._ranks if r.pid is not None}
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Receive every later event (called on the pump thread: keep it quick)."""
@@ -269,7 +276,10 @@ class Run:
 
     def _on_worker_message(self, r: _Rank, message: dict[str, Any]) -> None:
         kind = message["kind"]
-        if kind == "metric":
+        if kind == "started":
+            r.pid = message["pid"]
+            self._emit(WorkerStarted(r.rank, message["pid"], message["time"]))
+        elif kind == "metric":
             event = Metric(r.rank, message["step"], message["values"], message["time"])
             if r.rank == 0:
                 with self._metrics_lock:

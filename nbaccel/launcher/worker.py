@@ -57,6 +57,7 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
 
     events = EventWriter(events_fd)
     context: ProcessContext = request["context"]
+    events.send({"kind": "started", "pid": os.getpid(), "time": time.time()})
     code = _run(context, events, payload_fd, listen[0] if listen else None)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -349,3 +349,17 @@ def test_config_file_and_config_object_use_the_same_resolution(
         )[1]
         == "no"
     )
+
+
+def own_pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def test_workers_report_their_pids_when_they_start(runs_dir: str) -> None:
+    # The dashboard reads each worker's memory by pid (psutil), so the pids must be right.
+    run = nbaccel.launch(own_pid, num_processes=2, runs_dir=runs_dir)
+    assert run.worker_pids == {} or set(run.worker_pids) <= {0, 1}
+    assert run.results(timeout=60) == run.worker_pids
+    assert len(set(run.worker_pids.values())) == 2
