@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from nbaccel.accel import checkpoint, models, sharded_checkpoint, sharding
+from nbaccel.accel.clipping import GradientClipping
 from nbaccel.accel.data import (
     PreparedDataLoader,
     PreparedIterableLoader,
@@ -50,7 +51,7 @@ _SCHEDULER_TYPES: tuple[type, ...] = (
 )
 
 
-class Accelerator(Tracking):
+class Accelerator(Tracking, GradientClipping):
     """Runs one training loop correctly on 1 process, N CPU processes or N GPUs.
 
     >>> import torch
@@ -290,46 +291,6 @@ class Accelerator(Tracking):
     def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager[None]:
         """Autocast for the configured precision, for code outside the model's forward."""
         return self.precision.autocast(enabled)
-
-    def unscale_gradients(self) -> None:
-        """Unscale the fp16 gradients of every prepared optimizer (once per step)."""
-        for optimizer in self._optimizers:
-            optimizer.unscale_gradients()
-
-    def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor | None:
-        """Unscale, then clip the gradients' total norm; None while accumulating.
-
-        Clipping a partial accumulation sum is meaningless (and would unscale twice).
-        """
-        if not self.gradients.sync_gradients:
-            return None
-        if self._deepspeed is not None:  # clipped by the engine (gradient_clipping)
-            norm_seen = self._deepspeed.global_grad_norm()
-            return None if norm_seen is None else torch.tensor(norm_seen)
-        self._mark_clipped()
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
-        # FSDP's gradients are DTensors and so is their norm; callers log a plain tensor.
-        full = getattr(norm, "full_tensor", None)
-        return full() if full is not None else norm
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Unscale, then clamp each gradient to ``[-clip_value, clip_value]``."""
-        if not self.gradients.sync_gradients:
-            return
-        self._mark_clipped()
-        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
-
-    def _mark_clipped(self) -> None:
-        self.unscale_gradients()
-        for optimizer in self._optimizers:
-            optimizer.clipped = True
-
-    def _config_clip(self, optimizer: AcceleratedOptimizer) -> None:
-        optimizer.unscale_gradients()
-        assert self.config.max_grad_norm is not None
-        torch.nn.utils.clip_grad_norm_(list(optimizer.parameters()), self.config.max_grad_norm)
 
     # -- models and checkpoints -----------------------------------------------------------
     def unwrap_model(
