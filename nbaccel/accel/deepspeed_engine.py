@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel.models import save_model_file
+from nbaccel.accel.models import save_state_file
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 from nbaccel.deepspeed_config import auto_paths
 
@@ -157,7 +157,7 @@ class DeepSpeedRun:
         state = self.consolidated_state_dict()
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return None
-        return save_model_file(_Weights(state), Path(directory))
+        return save_state_file(state, Path(directory))
 
 
 class DeepSpeedOptimizer(AcceleratedOptimizer):
@@ -227,17 +227,6 @@ class _ScheduleSteps:
         if name == "scheduler":  # not set yet (while unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.scheduler, name)
-
-
-class _Weights(torch.nn.Module):
-    """A module whose state_dict is the given dict: what ``save_model_file`` writes."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self._weights = state
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self._weights
 
 
 def _full_weight(tensor: torch.Tensor, deepspeed: Any) -> torch.Tensor:
