@@ -32,6 +32,7 @@ from nbaccel.resolve import resolve
 
 if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel never imports torch
     from nbaccel.accel import Accelerator, DistributedType
+    from nbaccel.ui.config_panel import ConfigPanel  # ipywidgets: loaded on first use too
 
 _WORKER_SIDE = {"Accelerator", "DistributedType"}
 
@@ -41,6 +42,10 @@ def __getattr__(name: str) -> Any:
         import nbaccel.accel
 
         return getattr(nbaccel.accel, name)
+    if name == "ConfigPanel":
+        import nbaccel.ui.config_panel
+
+        return nbaccel.ui.config_panel.ConfigPanel
     raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
 
 
@@ -49,6 +54,7 @@ __all__ = [
     "CollectiveTimeout",
     "Config",
     "ConfigError",
+    "ConfigPanel",
     "DistributedType",
     "HelperError",
     "ProcessContext",

@@ -17,27 +17,10 @@ from typing import Any
 
 from nbaccel.cli_flags import add_config_flags, explicit_values
 from nbaccel.config import Config, Option, flatten, from_flat, options, parse_text, sections
+from nbaccel.config_display import applies, launch_flags, show_value
 from nbaccel.config_files import default_file, nbaccel_default_file, save
 from nbaccel.errors import ConfigError
 from nbaccel.resolve import Resolved, resolve
-
-Predicate = Callable[[Mapping[str, Any]], bool]
-
-
-def _multi_node(values: Mapping[str, Any]) -> bool:
-    return int(values["num_machines"]) > 1
-
-
-# Dotted path (or a section prefix ending in ".") -> when its questions apply. A field not
-# named here is always asked; a skipped one gets its schema default.
-APPLIES_WHEN: dict[str, Predicate] = {
-    "fsdp.": lambda values: values["strategy"] == "fsdp",
-    "deepspeed.": lambda values: values["strategy"] == "deepspeed",
-    "shard_optimizer_state": lambda values: values["strategy"] in ("auto", "ddp"),
-    "sync_each_batch": lambda values: int(values["gradient_accumulation_steps"]) > 1,
-    **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
-    "rdzv_timeout": _multi_node,
-}
 
 INTRO = (
     "Press Enter to keep the value in [brackets]; 'none' unsets an optional value, '-' "
@@ -83,19 +66,6 @@ def register(subparsers: Any) -> None:
     )
     validate.add_argument("file", metavar="FILE", help="YAML config, nbaccel's or Accelerate's")
     validate.set_defaults(run=_run_validate)
-
-
-def applies(path: str, values: Mapping[str, Any]) -> bool:
-    """Whether the wizard asks about ``path`` given the answers so far (by flat name).
-
-    >>> applies("fsdp.cpu_offload", {"strategy": "ddp"}), applies("strategy", {})
-    (False, True)
-    """
-    return all(
-        predicate(values)
-        for key, predicate in APPLIES_WHEN.items()
-        if path == key or (key.endswith(".") and path.startswith(key))
-    )
 
 
 def run_wizard(
@@ -175,36 +145,6 @@ def _parse_answer(opt: Option, answer: str) -> Any:
         by_lower = {str(choice).lower(): choice for choice in opt.choices}
         value = by_lower.get(value.lower(), value)  # "full_shard" means FULL_SHARD
     return value
-
-
-def show_value(value: Any) -> str:
-    """A value as the wizard, ``config show`` and flags write it.
-
-    >>> show_value(None), show_value(True), show_value(("csv", "jsonl")), show_value("")
-    ('none', 'true', 'csv,jsonl', "''")
-    """
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple):
-        value = ",".join(value)
-    return str(value) if value != "" else "''"
-
-
-def launch_flags(config: Config) -> str:
-    """The ``nbaccel launch`` flags that set ``config``'s non-default values.
-
-    >>> launch_flags(Config(num_processes=2, use_cpu=True, log_with=("csv",)))
-    '--num_processes 2 --use_cpu true --log_with csv'
-    """
-    words: list[str] = []
-    for opt in options():
-        value = opt.get(config)
-        if value != opt.default:
-            text = show_value(value)
-            words += [f"--{opt.name}", "" if text == "''" else text]
-    return shlex.join(words)
 
 
 def format_sources(resolved: Resolved) -> str:

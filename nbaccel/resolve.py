@@ -15,7 +15,7 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nbaccel.config import (
     Config,
@@ -59,17 +59,28 @@ def env_names(opt: Option | str) -> tuple[str, ...]:
     return (ENV_PREFIX + opt.name.upper(), *alias)
 
 
+class ShowsConfig(Protocol):
+    """What ``resolve`` reads from a ``ConfigPanel``: the Config it shows."""
+
+    @property
+    def config(self) -> Config: ...
+
+
+ConfigSource = Config | Mapping[str, Any] | str | Path | ShowsConfig | None
+
+
 def resolve(
     explicit: Mapping[str, Any] | None = None,
     *,
     env: Mapping[str, str],
-    config: Config | Mapping[str, Any] | str | Path | None = None,
+    config: ConfigSource = None,
     use_default_file: bool = True,
     defaults: Mapping[str, Any] | None = None,
 ) -> Resolved:
     """Build the run's Config from every source, failing early with the source of a bad value.
 
-    ``config`` is a Config or mapping (given in code), or the path of a YAML file.
+    ``config`` is a Config or mapping (given in code), the path of a YAML file, or a
+    ``ConfigPanel`` (all its values count, so the run is what the panel shows).
     ``defaults`` replaces built-in defaults for one caller (``nbaccel launch`` runs scripts
     that initialise their own process group): files, env and arguments still win.
 
@@ -97,7 +108,10 @@ def resolve(
     env_values, env_sources = _env_layer(env)
     values.update(env_values)
     sources.update(env_sources)
-    if isinstance(config, Config):  # given in code: as explicit as a keyword argument
+    shown = getattr(config, "config", None)  # a ConfigPanel (duck-typed: ui is above us)
+    if isinstance(shown, Config):  # every value the panel shows, defaults included
+        take(flatten(shown), "config panel")
+    elif isinstance(config, Config):  # given in code: as explicit as a keyword argument
         take(_set_fields(config), "argument")
     elif isinstance(config, Mapping):
         take(config, "argument")
