@@ -30,7 +30,7 @@ from nbaccel.launcher.helper import shared_helper
 from nbaccel.launcher.payload import build_payload
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
-from nbaccel.resolve import Resolved, resolve
+from nbaccel.resolve import ConfigSource, Resolved, resolve
 
 DASHBOARD_CHOICES = ("auto", "text", True, False)
 
@@ -41,7 +41,7 @@ def launch(
     num_processes: int | None = None,
     *,
     kwargs: Mapping[str, Any] | None = None,
-    config: Config | Mapping[str, Any] | str | Path | None = None,
+    config: ConfigSource = None,
     dashboard: str | bool = "auto",
     **overrides: Any,
 ) -> Run:
@@ -68,7 +68,7 @@ def notebook_launcher(
     num_processes: int | None = None,
     *,
     kwargs: Mapping[str, Any] | None = None,
-    config: Config | Mapping[str, Any] | str | Path | None = None,
+    config: ConfigSource = None,
     dashboard: str | bool = "auto",
     **overrides: Any,
 ) -> Any:
@@ -99,13 +99,18 @@ def _start(
     args: tuple[Any, ...] | list[Any],
     num_processes: int | None,
     kwargs: Mapping[str, Any] | None,
-    config: Config | Mapping[str, Any] | str | Path | None,
+    config: ConfigSource,
     dashboard: str | bool,
     overrides: dict[str, Any],
     *,
     blocking: bool,
 ) -> Run:
     _check_call(function, args, kwargs, dashboard)
+    # The UI is an entry-point layer above the launcher: reached only here, at call time.
+    # choose is stdlib only; ipywidgets and matplotlib load only when widgets are shown.
+    from nbaccel.ui.choose import wants_widgets
+
+    widgets = wants_widgets(dashboard)  # dashboard=True without ipywidgets fails here
     explicit = dict(overrides)
     if num_processes is not None:
         explicit["num_processes"] = num_processes
@@ -120,9 +125,15 @@ def _start(
     run_dir.mkdir(parents=True)
     _write_config(run_dir, resolved)
     run = Run(run_id, run_dir, resolved.config, world_size)
-    run.subscribe(
-        TextPrinter(sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking)
-    )
+    if widgets:
+        from nbaccel.ui.attach import attach_dashboard
+
+        attach_dashboard(run, blocking=blocking, gpus=gpus)  # shown in the calling cell
+    else:
+        printer = TextPrinter(
+            sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking
+        )
+        run.subscribe(printer)
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with tempfile.TemporaryFile() as payload_file, listener:

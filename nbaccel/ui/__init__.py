@@ -1,13 +1,17 @@
 """The notebook UI: the config panel and the live dashboard (ipywidgets; never torch).
 
 Importing this package imports nothing else: the launcher asks ``nbaccel.ui.choose``
-(stdlib only) whether to show widgets, and loads ``nbaccel.ui.dashboard`` (ipywidgets,
-then matplotlib on the dashboard's own thread) only when it does.
+(stdlib only) whether to show widgets, and loads ``nbaccel.ui.attach`` (ipywidgets; then
+matplotlib on the dashboard's own thread) only when it does.
 
 - ``choose``: widgets or text for a launch (``dashboard="auto"`` / "text" / True / False).
+- ``attach``: ``attach_dashboard(run, ...)`` (what a launch in a kernel does) and
+  ``dashboard_for(run)``, to find a run's dashboard again.
+- ``dashboard``: ``Dashboard``, the run subscriber and its UI thread (all widget writes).
+- ``dashboard_widgets``: the widget tree, each part tagged with an ``nbaccel-*`` CSS class.
 - ``dashboard_model``: the dashboard's state built from run events (plain data).
+- ``dashboard_text``: the header line, the summary text and the widgets' HTML.
 - ``memory``: memory readings in the parent (NVML per GPU, psutil per CPU worker).
 - ``plots``: PNG frames (curves, memory bars, the final summary) with matplotlib's Agg.
-- ``dashboard``: the ipywidgets view, ``attach_dashboard(run)`` and ``dashboard_for(run)``.
 - ``config_panel``, ``config_widgets``: ``nbaccel.ConfigPanel``.
 """

@@ -38,6 +38,7 @@ def test_public_api_has_runnable_examples() -> None:
         "log_metrics",
         "resolve",
         "Accelerator",
+        "ConfigPanel",
     ):
         assert ">>>" in (getattr(nbaccel, name).__doc__ or ""), name
 
@@ -59,6 +60,10 @@ def test_importing_and_launching_keep_torch_out_of_the_parent(tmp_path: Path) ->
         "assert nbaccel.notebook_launcher(f, num_processes=2) == 7\n"
         "try:\n    nbaccel.notebook_launcher(lambda: 1 / 0, num_processes=2)\n"
         "except ZeroDivisionError:\n    pass\n"
+        # The notebook UI is parent side too: the panel (with its memory estimate) and a
+        # launch through the widget dashboard.
+        "panel = nbaccel.ConfigPanel(f, num_processes=2, num_params=10**6)\n"
+        "assert nbaccel.notebook_launcher(f, num_processes=2, config=panel, dashboard=True) == 7\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
         "print('TORCH_MODULES', bad)\n"
     )

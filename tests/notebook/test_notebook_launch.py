@@ -1,5 +1,9 @@
 """notebook_launcher in a real ipykernel, driven by nbclient: what a notebook user sees.
 
+These tests read the text a launch streams into the cell, so their launches ask for
+``dashboard="text"`` (``OUT``); the widget dashboard has its own tests
+(tests/unit/test_dashboard.py, the example notebooks, the browser test).
+
 One notebook is executed once per module (a kernel start and the helper's ``import torch``
 are the slow part); each test asserts on its own cells. Errors are allowed at execution so
 that every test reports on its cells even when another cell failed.
@@ -34,6 +38,7 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
                 import nbaccel
 
                 RUNS = {str(runs_dir)!r}
+                OUT = {{"runs_dir": RUNS, "dashboard": "text"}}
                 SCALE = 3
 
 
@@ -68,20 +73,20 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
             ),
             (
                 "launch",
-                "nbaccel.notebook_launcher(train, args=(2,), num_processes=2, runs_dir=RUNS)",
+                "nbaccel.notebook_launcher(train, args=(2,), num_processes=2, **OUT)",
             ),
             (
                 "launch-all",
                 _src("""
                 nbaccel.notebook_launcher(
-                    train, args=(2,), num_processes=2, runs_dir=RUNS, log_ranks="all"
+                    train, args=(2,), num_processes=2, **OUT, log_ranks="all"
                 )
                 """),
             ),
             (
                 "launch-run",
                 _src("""
-                run = nbaccel.launch(train, args=(2,), num_processes=2, runs_dir=RUNS)
+                run = nbaccel.launch(train, args=(2,), num_processes=2, **OUT)
                 run.wait(timeout=120)
                 (
                     run.results(),
@@ -103,12 +108,12 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
             ),
             (
                 "fail",
-                "nbaccel.notebook_launcher(fail_on_rank_1, num_processes=2, runs_dir=RUNS)",
+                "nbaccel.notebook_launcher(fail_on_rank_1, num_processes=2, **OUT)",
                 ["raises-exception"],
             ),
             (
                 "after-fail",
-                "nbaccel.notebook_launcher(train, args=(1,), num_processes=2, runs_dir=RUNS)",
+                "nbaccel.notebook_launcher(train, args=(1,), num_processes=2, **OUT)",
             ),
             (
                 "progress",
@@ -124,7 +129,7 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
                     return total
 
 
-                nbaccel.notebook_launcher(progress, num_processes=2, runs_dir=RUNS)
+                nbaccel.notebook_launcher(progress, num_processes=2, **OUT)
                 """),
             ),
             ("torch-free", '"torch" in sys.modules'),
@@ -267,7 +272,7 @@ def test_output_is_streamed_while_the_ranks_still_run(
 
                 nbaccel.notebook_launcher(
                     wait_for_go, args=({str(go_file)!r},), num_processes=2,
-                    runs_dir={str(tmp_path / "runs")!r},
+                    runs_dir={str(tmp_path / "runs")!r}, dashboard="text",
                 )
                 """),
             )

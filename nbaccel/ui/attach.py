@@ -1,0 +1,76 @@
+"""Attach the live dashboard to a run: what ``nbaccel.launch`` does in a Jupyter kernel.
+
+``attach_dashboard(run, ...)`` builds the model (labelled with the run's strategy and
+precision), the memory sampler for the run's devices, and the widgets; subscribes them to
+the run, shows them in the calling cell and starts their threads. ``dashboard_for(run)``
+finds that dashboard again (notebook tests read its widgets; ``Dashboard.model_ids`` names
+them in a saved notebook's widget state). Imported only when a dashboard is wanted.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+from nbaccel.config import shown_ranks
+from nbaccel.launcher.run import Run
+from nbaccel.ui.choose import in_kernel
+from nbaccel.ui.dashboard import Dashboard
+from nbaccel.ui.dashboard_model import DashboardModel
+from nbaccel.ui.memory import MemorySampler, memory_source
+
+_dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictionary()
+
+
+def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) -> Dashboard:
+    """Build a run's dashboard, subscribe it to the run, and show it in the calling cell.
+
+    Its threads start with the run. ``gpus``: the GPUs the run uses (0 on CPU). Find the
+    dashboard again with ``dashboard_for(run)``.
+    """
+    # Closures hold the run weakly: the registry's value must not keep its key alive.
+    ref = weakref.ref(run)
+    shown = shown_ranks(run.config.log_ranks)
+    first = min(shown) if shown else 0
+    source = memory_source(
+        world_size=run.world_size,
+        gpus=gpus,
+        strategy=run.config.strategy,
+        pids=lambda: _pids(ref),
+        env=os.environ,
+    )
+    # The sampler's callback finds the dashboard when it first runs (after the run starts).
+    sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))
+    dashboard = Dashboard(
+        DashboardModel.for_config(run.config, run.world_size),
+        stop=None if blocking else lambda: _request_stop(ref),
+        blocking=blocking,
+        rank=first if first < run.world_size else 0,
+        sampler=sampler,
+    )
+    _dashboards[run] = dashboard
+    run.subscribe(dashboard)
+    if show and in_kernel():  # outside a kernel there is no frontend to show it in
+        dashboard.show()
+    return dashboard
+
+
+def dashboard_for(run: Run) -> Dashboard | None:
+    """The dashboard that a launch attached to ``run`` (None when it printed text)."""
+    return _dashboards.get(run)
+
+
+def _pids(ref: weakref.ref[Run]) -> dict[int, int]:
+    run = ref()
+    return run.worker_pids if run is not None else {}
+
+
+def _request_stop(ref: weakref.ref[Run]) -> None:
+    # Runs on the kernel's main thread (a click): ask for the stop, do not wait for it.
+    run = ref()
+    if run is None:
+        return
+    try:
+        run.stop(timeout=0.0)
+    except TimeoutError:
+        pass  # the run ends on its pump thread; the dashboard shows it

@@ -1,0 +1,238 @@
+"""Memory readings taken in the parent while a run goes: NVML per GPU, psutil per CPU worker.
+
+A daemon thread samples about once a second and hands the readings to a callback (the
+dashboard's queue). Nothing here runs in, or waits for, a worker: a reading costs the
+parent tens of microseconds per process (a ``/proc`` read) or one NVML call per GPU, so
+training is never slowed. NVML (``nvidia-ml-py``, imported as ``pynvml``) is loaded lazily
+on the sampling thread and is optional; tests pass a fake module. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from nbaccel.ui.dashboard_model import MemoryReading
+
+Pids = Callable[[], Mapping[int, int]]
+
+
+class MemorySource(Protocol):
+    """Something that can be asked for the current readings."""
+
+    def read(self) -> list[MemoryReading]: ...
+
+    def close(self) -> None: ...
+
+
+class ProcessMemory:
+    """Resident memory (RSS) of each worker process, its peak, and the machine's RAM as limit.
+
+    The peak is the kernel's high-water mark (``VmHWM``), so a spike between two samples
+    still shows. On CPU that is the closest thing to "device memory" there is; note that the
+    C allocator keeps freed memory, so RSS rarely goes down.
+
+    >>> import os
+    >>> [reading] = ProcessMemory(lambda: {0: os.getpid()}).read()
+    >>> reading.device, reading.current > 0, reading.peak >= reading.current
+    ('rank 0 (cpu)', True, True)
+    """
+
+    def __init__(self, pids: Pids, proc_root: Path = Path("/proc")) -> None:
+        self._pids = pids
+        self._proc_root = proc_root
+        self._processes: dict[int, psutil.Process] = {}
+
+    def read(self) -> list[MemoryReading]:
+        limit = int(psutil.virtual_memory().total)
+        readings = []
+        for rank, pid in sorted(self._pids().items()):
+            current = peak = None
+            try:
+                process = self._processes.get(pid) or psutil.Process(pid)
+                self._processes[pid] = process
+                current = int(process.memory_info().rss)
+                peak = self._high_water_mark(pid)
+            except (psutil.Error, OSError):
+                self._processes.pop(pid, None)  # it has exited: "n/a" from now on
+            readings.append(MemoryReading(f"rank {rank} (cpu)", current, peak, limit))
+        return readings
+
+    def _high_water_mark(self, pid: int) -> int | None:
+        try:
+            status = (self._proc_root / str(pid) / "status").read_text()
+        except OSError:
+            return None  # not Linux, or the process is gone
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return None
+
+    def close(self) -> None:
+        self._processes.clear()
+
+
+class NvmlMemory:
+    """Used and total memory of the GPUs the ranks use, read through NVML.
+
+    Rank ``r`` uses CUDA device ``r`` (local rank), which ``CUDA_VISIBLE_DEVICES`` maps to
+    an NVML index or UUID. If NVML cannot start, readings come from ``fallback``.
+
+    >>> class FakeNvml:
+    ...     def nvmlInit(self): pass
+    ...     def nvmlShutdown(self): pass
+    ...     def nvmlDeviceGetHandleByIndex(self, index): return index
+    ...     def nvmlDeviceGetMemoryInfo(self, handle):
+    ...         return type("Info", (), {"used": 2**30 * (handle + 1), "total": 2**34})()
+    >>> source = NvmlMemory(2, {"CUDA_VISIBLE_DEVICES": "1,0"}, nvml=FakeNvml())
+    >>> [(r.device, r.current // 2**30) for r in source.read()]
+    [('cuda:0 (GPU 1)', 2), ('cuda:1 (GPU 0)', 1)]
+    """
+
+    def __init__(
+        self,
+        gpus: int,
+        env: Mapping[str, str],
+        *,
+        nvml: Any = None,
+        fallback: MemorySource | None = None,
+    ) -> None:
+        self._gpus = gpus
+        self._visible = [e.strip() for e in env.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+        self._nvml = nvml
+        self._fallback = fallback
+        self._handles: list[tuple[str, Any]] | None = None
+        self._failed = False
+
+    def read(self) -> list[MemoryReading]:
+        if self._handles is None and not self._failed:
+            self._start()
+        if self._handles is None:
+            return self._fallback.read() if self._fallback is not None else []
+        readings = []
+        for device, handle in self._handles:
+            try:
+                info = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                readings.append(MemoryReading(device, int(info.used), None, int(info.total)))
+            except Exception:  # noqa: BLE001 - a GPU that stops answering reads "n/a"
+                readings.append(MemoryReading(device, None, None, None))
+        return readings
+
+    def _start(self) -> None:
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+            self._handles = [self._handle(index) for index in range(self._gpus)]
+        except Exception:  # noqa: BLE001 - no NVML or no driver: fall back to process memory
+            self._failed, self._handles = True, None
+
+    def _handle(self, index: int) -> tuple[str, Any]:
+        entry = self._visible[index] if index < len(self._visible) and self._visible[0] else ""
+        if entry.startswith(("GPU-", "MIG-")):
+            return f"cuda:{index} ({entry[:12]})", self._nvml.nvmlDeviceGetHandleByUUID(entry)
+        physical = int(entry) if entry.isdigit() else index
+        return f"cuda:{index} (GPU {physical})", self._nvml.nvmlDeviceGetHandleByIndex(physical)
+
+    def close(self) -> None:
+        if self._handles is not None:
+            self._handles = None
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001 - shutting down is best effort
+                pass
+        if self._fallback is not None:
+            self._fallback.close()
+
+
+class Unavailable:
+    """A source for devices the parent cannot read (XLA devices): every reading is "n/a".
+
+    >>> Unavailable(["rank 0 (xla)"]).read()
+    [MemoryReading(device='rank 0 (xla)', current=None, peak=None, limit=None)]
+    """
+
+    def __init__(self, devices: list[str]) -> None:
+        self._devices = devices
+
+    def read(self) -> list[MemoryReading]:
+        return [MemoryReading(device, None, None, None) for device in self._devices]
+
+    def close(self) -> None:
+        pass
+
+
+def memory_source(
+    *, world_size: int, gpus: int, strategy: str, pids: Pids, env: Mapping[str, str]
+) -> MemorySource:
+    """The right source for a run: NVML when it uses GPUs, "n/a" for XLA, else psutil.
+
+    >>> memory_source(world_size=2, gpus=0, strategy="auto", pids=dict, env={}).read()
+    []
+    """
+    if strategy == "xla":
+        return Unavailable([f"rank {rank} (xla)" for rank in range(world_size)])
+    processes = ProcessMemory(pids)
+    if gpus:
+        return NvmlMemory(min(gpus, world_size), env, fallback=processes)
+    return processes
+
+
+class MemorySampler:
+    """Calls ``on_readings`` with fresh readings every ``interval`` seconds on a daemon thread.
+
+    >>> got = []
+    >>> sampler = MemorySampler(Unavailable(["gpu"]), got.append, interval=60)
+    >>> sampler.start(); sampler.stop()
+    >>> got
+    [[MemoryReading(device='gpu', current=None, peak=None, limit=None)]]
+    """
+
+    def __init__(
+        self,
+        source: MemorySource,
+        on_readings: Callable[[list[MemoryReading]], None],
+        interval: float = 1.0,
+    ) -> None:
+        self._source = source
+        self._on_readings = on_readings
+        self._interval = interval
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="nbaccel-memory", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> list[MemoryReading]:
+        """One reading now, also handed to the callback."""
+        readings = self._source.read()
+        if readings:
+            self._on_readings(readings)
+        return readings
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """End the thread (within ``timeout``); the source is closed on its way out."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        try:
+            # The first reading at once; then the event's timed wait paces the loop and
+            # ends it as soon as stop() is called.
+            while True:
+                try:
+                    self.sample()
+                except Exception:  # noqa: BLE001 - a failed reading must not end sampling
+                    pass
+                if self._stopping.wait(self._interval):
+                    break
+        finally:
+            self._source.close()
