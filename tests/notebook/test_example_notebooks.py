@@ -1,24 +1,42 @@
-"""Every example notebook in notebooks/ runs headless, top to bottom, without surprises.
+"""Every example notebook in notebooks/ runs headless, and its widgets show what they should.
 
-Each runs in a fresh kernel, in a temporary copy of the notebooks folder (its cwd, so
-``nbaccel_runs/`` lands there). Notebooks whose metadata says ``nbaccel.requires`` is "gpu"
-or "tpu" are skipped here. Cells tagged ``raises-exception`` must raise (they demonstrate a
-failure); every other cell must not.
+Each notebook runs in a fresh kernel, in a temporary copy of the notebooks folder (its cwd,
+so ``nbaccel_runs/`` lands there), through nbclient with widget state stored, as a saved
+notebook keeps it. Notebooks whose metadata says ``nbaccel.requires`` is "gpu" or "tpu" are
+skipped here. Cells tagged ``raises-exception`` must raise (they demonstrate a failure);
+every other cell must not.
+
+Then each notebook's own check reads what the widgets received: the stored widget state
+(found from a cell's displayed dashboard through its children, by the ``nbaccel-*`` CSS
+classes the dashboard gives its parts: header, log, errors, curve, memory), every widget
+update that reached the frontend while the cell ran (to count the loss curve's PNG frames),
+the static summary left in the cell's outputs, and the cells' ordinary results.
 """
 
 from __future__ import annotations
 
 import ast
+import base64
+import hashlib
+import html
+import re
 import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
+from nbclient import NotebookClient
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
 ACCELERATORS = {"gpu", "tpu"}
 CELL_TIMEOUT = 300
+PNG = b"\x89PNG\r\n\x1a\n"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def _requirements(nb: Any) -> set[str]:
@@ -36,17 +54,79 @@ def _params() -> list[Any]:
 
 
 def test_notebooks_folder_has_examples() -> None:
-    assert list(NOTEBOOKS.glob("*.ipynb")), f"no notebooks in {NOTEBOOKS}"
+    names = {path.stem for path in NOTEBOOKS.glob("*.ipynb")}
+    assert names >= {
+        "01_quickstart_cpu",
+        "02_config_panel",
+        "03_precision_and_sharding",
+        "04_resume_from_checkpoint",
+        "05_accelerate_code_unchanged",
+        "06_colab_tpu",
+    }, names
 
 
 def test_committed_notebooks_have_no_outputs() -> None:
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)
+        assert "widgets" not in nb.metadata, f"{path.name}: saved widget state"
         for cell in nb.cells:
             if cell.cell_type == "code":
                 assert not cell.outputs, f"{path.name}: cell {cell.id} has saved outputs"
                 assert cell.execution_count is None, f"{path.name}: cell {cell.id} was run"
+
+
+def test_tpu_notebook_is_marked_and_says_what_it_needs() -> None:
+    nb = nbformat.read(NOTEBOOKS / "06_colab_tpu.ipynb", as_version=4)
+    assert _requirements(nb) == {"tpu"}  # so the run test skips it
+    intro = nb.cells[0].source
+    assert "not in nbaccel yet" in intro and "issue 7" in intro, intro
+    assert 'strategy="xla"' in "".join(cell.source for cell in nb.cells)
+
+
+def test_binder_installs_the_torch_ci_tests() -> None:
+    """Binder's image: the CPU wheel of the torch CI pins, and nbaccel's notebook extra."""
+
+    def lines(path: Path) -> list[str]:
+        text = path.read_text().splitlines()
+        return [line.split("#")[0].strip() for line in text if line.split("#")[0].strip()]
+
+    (ci_torch,) = [line for line in lines(ROOT / "requirements/ci.txt") if line.startswith("torch")]
+    binder = lines(ROOT / "binder/requirements.txt")
+    assert f"{ci_torch}+cpu" in binder, binder
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in binder, binder
+    assert "-e .[notebook]" in binder, binder
+    assert (ROOT / "binder/runtime.txt").read_text().strip().startswith("python-3.")
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class Update:
+    """One widget message the frontend received: its cell, widget, changed traits, buffers."""
+
+    cell: int
+    model_id: str
+    names: frozenset[str]
+    buffers: dict[str, str]  # trait -> sha256 of its bytes (PNG frames)
+
+
+def _recording_client(updates: list[Update]) -> type[NotebookClient]:
+    class RecordingClient(NotebookClient):  # type: ignore[misc]
+        def handle_comm_msg(self, outs: Any, msg: dict[str, Any], cell_index: int) -> None:
+            data = msg["content"].get("data", {})
+            if "state" in data:
+                paths = data.get("buffer_paths") or []
+                buffers = {
+                    path[0]: hashlib.sha256(bytes(buffer)).hexdigest()
+                    for path, buffer in zip(paths, msg.get("buffers") or [], strict=False)
+                }
+                comm_id = msg["content"]["comm_id"]
+                updates.append(Update(cell_index, comm_id, frozenset(data["state"]), buffers))
+            super().handle_comm_msg(outs, msg, cell_index)
+
+    return RecordingClient
 
 
 @pytest.mark.timeout(600)
@@ -55,8 +135,17 @@ def test_example_notebook_runs(name: str, cells: Any, kernel_dirs: Path, tmp_pat
     folder = tmp_path / "notebooks"
     shutil.copytree(NOTEBOOKS, folder)
     nb = nbformat.read(folder / name, as_version=4)
+    kernel_tmp = kernel_dirs / "tmp"
+    before = set(kernel_tmp.iterdir())
+    updates: list[Update] = []
     # allow_errors=False: nbclient raises CellExecutionError at the first unexpected error.
-    cells.execute(nb, folder, timeout=CELL_TIMEOUT, allow_errors=False)
+    cells.execute(
+        nb,
+        folder,
+        timeout=CELL_TIMEOUT,
+        allow_errors=False,
+        client_class=_recording_client(updates),
+    )
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
@@ -64,37 +153,209 @@ def test_example_notebook_runs(name: str, cells: Any, kernel_dirs: Path, tmp_pat
             assert cells.errors(cell), f"cell {cell.id} should demonstrate an error, raised none"
         else:
             cells.assert_ok(cell)
+    # What a notebook writes stays in its run folder or in a temp folder it removes.
+    assert {p.name for p in folder.iterdir() if p.suffix != ".ipynb"} <= {"nbaccel_runs"}
+    left = [p.name for p in set(kernel_tmp.iterdir()) - before if p.name.startswith("nbaccel-")]
+    assert not left, f"{name} left temp folders behind: {left}"
     check = CONTENT_CHECKS.get(name)
     if check is not None:
-        check(nb, cells, folder)
+        check(Widgets(nb, updates), cells, folder)
 
 
-def _check_quickstart(nb: Any, cells: Any, folder: Path) -> None:
+# --------------------------------------------------------------------------- reading widgets
+
+
+class Widgets:
+    """A run notebook's stored widget state and the updates received, read per cell."""
+
+    def __init__(self, nb: Any, updates: list[Update]) -> None:
+        self.nb = nb
+        self.updates = updates
+        stored = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+        assert stored, "no widget state was stored: did the cells block until the run ended?"
+        self.state: dict[str, dict[str, Any]] = stored
+
+    def cell_index(self, cell_id: str) -> int:
+        return next(i for i, cell in enumerate(self.nb.cells) if cell.get("id") == cell_id)
+
+    def _shown(self, outputs: list[Any]) -> Iterator[str]:
+        """Model ids of the widgets displayed in these outputs, and of all their descendants
+        (children, and what Output widgets among them display)."""
+        pending = [
+            out.data[WIDGET_VIEW]["model_id"]
+            for out in outputs
+            if out.get("output_type") == "display_data" and WIDGET_VIEW in out.get("data", {})
+        ]
+        seen: set[str] = set()
+        while pending:
+            model_id = pending.pop()
+            if model_id in seen or model_id not in self.state:
+                continue
+            seen.add(model_id)
+            yield model_id
+            state = self.state[model_id]["state"]
+            pending += [child.removeprefix("IPY_MODEL_") for child in state.get("children", [])]
+            pending += list(self._shown(state.get("outputs", [])))
+
+    def dashboards(self, cell_id: str) -> list[dict[str, str]]:
+        """Each dashboard shown by a cell (in its outputs or inside a displayed panel):
+        ``{part class: model id}``, parts named by their CSS class without ``nbaccel-``."""
+        cell = next(c for c in self.nb.cells if c.get("id") == cell_id)
+        found = []
+        for model_id in self._shown(cell.outputs):
+            if "nbaccel-dashboard" not in self.classes(model_id):
+                continue
+            parts = {}
+            for part in self._shown([_view(model_id)]):
+                for cls in self.classes(part):
+                    if cls.startswith("nbaccel-"):
+                        parts[cls.removeprefix("nbaccel-")] = part
+            found.append(parts)
+        return found
+
+    def dashboard(self, cell_id: str) -> dict[str, str]:
+        shown = self.dashboards(cell_id)
+        assert len(shown) == 1, f"cell {cell_id} shows {len(shown)} dashboards"
+        return shown[0]
+
+    def classes(self, model_id: str) -> list[str]:
+        return list(self.state[model_id]["state"].get("_dom_classes", []))
+
+    def value(self, model_id: str) -> Any:
+        return self.state[model_id]["state"].get("value")
+
+    def text(self, model_id: str) -> str:
+        """An HTML widget's value as the reader sees it: tags dropped, entities decoded."""
+        raw = re.sub(r"<br\s*/?>", "\n", str(self.value(model_id) or ""))
+        return html.unescape(re.sub(r"<[^>]+>", "", raw))
+
+    def png(self, model_id: str) -> bytes:
+        """The bytes an Image widget holds in the stored state."""
+        buffers = self.state[model_id].get("buffers", [])
+        data = next((b["data"] for b in buffers if b["path"] == ["value"]), "")
+        return base64.b64decode(data)
+
+    def frames(self, model_id: str, cell_id: str) -> list[str]:
+        """The distinct PNGs an Image widget received while the cell ran, in order."""
+        index = self.cell_index(cell_id)
+        frames: list[str] = []
+        for update in self.updates:
+            digest = update.buffers.get("value")
+            ours = update.cell == index and update.model_id == model_id
+            if ours and digest and (not frames or frames[-1] != digest):
+                frames.append(digest)
+        return frames
+
+
+def _view(model_id: str) -> Any:
+    view = {"output_type": "display_data", "data": {WIDGET_VIEW: {"model_id": model_id}}}
+    return nbformat.from_dict(view)
+
+
+def _summary(cell: Any) -> tuple[str, bytes]:
+    """The static summary a finished dashboard leaves in its cell: text, and a PNG."""
+    texts, images = [], []
+    for out in cell.outputs:
+        data = out.get("data", {})
+        if out.get("output_type") != "display_data" or WIDGET_VIEW in data:
+            continue
+        if "image/png" in data:
+            images.append(base64.b64decode(data["image/png"]))
+        elif data.get("text/plain", "").startswith("nbaccel run "):
+            texts.append(data["text/plain"])
+    assert len(texts) == 1, f"cell {cell.id}: {len(texts)} summary texts"
+    return texts[0], images[0] if images else b""
+
+
+def _log_lines(widgets: Widgets, dashboard: dict[str, str]) -> list[str]:
+    return [line for line in widgets.text(dashboard["log"]).split("\n") if line.strip()]
+
+
+def _memory_mib(widgets: Widgets, dashboard: dict[str, str]) -> dict[str, float]:
+    """Peak memory per device from the dashboard's memory text, in MiB. (The current value
+    reads "n/a" when the last sample came after the workers exited.)"""
+    units = {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
+    found = {}
+    for line in widgets.text(dashboard["memory-text"]).split("\n"):
+        match = re.match(r"\s*(.+?): (?:n/a|[\d.]+ \w+) now · ([\d.]+) (KiB|MiB|GiB) peak", line)
+        if match:
+            found[match.group(1)] = float(match.group(2)) * units[match.group(3)]
+    return found
+
+
+def _assert_live_dashboard(
+    widgets: Widgets,
+    cell: Any,
+    *,
+    state: str = "succeeded",
+    min_frames: int = 2,
+    memory: bool = True,
+) -> dict[str, str]:
+    """A finished dashboard that received what a live run sends: header, frames, memory,
+    and the summary left in the cell. ``memory=False`` for runs shorter than the memory
+    sampler's 1-s interval, which may end before the first reading."""
+    dashboard = widgets.dashboard(cell.id)
+    header = widgets.text(dashboard["header"])
+    assert header.startswith(state) and "2 processes" in header, header
+    frames = widgets.frames(dashboard["curve"], cell.id)
+    assert len(frames) >= min_frames, f"cell {cell.id}: {len(frames)} curve frames"
+    assert widgets.png(dashboard["curve"]).startswith(PNG)
+    text, image = _summary(cell)
+    assert f": {state}" in text, text
+    assert image.startswith(PNG), f"cell {cell.id}: no summary image"
+    if memory:
+        assert widgets.png(dashboard["memory"]).startswith(PNG)
+        peaks = _memory_mib(widgets, dashboard)
+        assert set(peaks) == {"rank 0 (cpu)", "rank 1 (cpu)"}, peaks
+        assert all(mib > 50 for mib in peaks.values()), peaks  # a worker with torch loaded
+        assert "memory rank 1 (cpu)" in text, text
+    return dashboard
+
+
+# --------------------------------------------------------------------------- per notebook
+
+
+def _check_quickstart(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
     # The blocking launch returned rank 0's dict, and training found y = 2x - 1.
     launch = cells.cell(nb, "launch")
     result = ast.literal_eval(cells.result(launch))
     assert result["weight"] == pytest.approx(2.0, abs=0.05), result
     assert result["bias"] == pytest.approx(-1.0, abs=0.05), result
     assert result["final_loss"] < 0.01, result
-    assert "rank 0 of 2: 256 samples" in cells.stream(launch)
-    assert "rank 1 of 2" not in cells.stream(launch), "rank 1 shown with the default log_ranks"
+    assert not cells.stream(launch), "the dashboard should replace the text output"
+
+    dashboard = _assert_live_dashboard(widgets, launch, min_frames=3)
+    header = widgets.text(dashboard["header"])
+    assert "step 120/120" in header and "steps/s" in header, header
+    log = _log_lines(widgets, dashboard)
+    assert log[0] == "rank 0 of 2: 256 samples", log
+    assert log[-1].startswith("rank 0 done: weight 2.0"), log
+    bars = [line for line in log if line.startswith("training:")]
+    assert len(bars) == 1 and "120/120" in bars[0], log  # the \r redraws became one line
+    assert not any(line.startswith("rank 1") for line in log), log
+    assert "Blocking call" in widgets.text(dashboard["stop-note"])
+    text, _ = _summary(launch)
+    assert "loss: last" in text and "step 120/120" in text, text
 
     run = cells.cell(nb, "launch-run")
     assert cells.result(run) == "<RunState.SUCCEEDED: 'succeeded'>"
-    assert "step  29" in cells.stream(run), "the non-blocking run's output is not in its cell"
+    assert cells.stream(run).startswith("<nbaccel.Run ")
+    run_dashboard = _assert_live_dashboard(widgets, run)
+    assert not widgets.text(run_dashboard["stop-note"]), "launch() has a working Stop button"
 
     metrics = ast.literal_eval(cells.result(cells.cell(nb, "metrics")))
-    assert metrics, "run.metrics is empty"
-    assert [m["step"] for m in metrics] == [27, 28, 29], metrics
+    assert [m["step"] for m in metrics] == [97, 98, 99], metrics
     assert all(m["loss"] > 0 for m in metrics), metrics
-    assert "30 records" in cells.stream(cells.cell(nb, "metrics"))
+    assert "100 records" in cells.stream(cells.cell(nb, "metrics"))
 
     logs = cells.cell(nb, "logs")
     assert "rank 1 of 2: 256 samples" in cells.stream(logs)
     files = ast.literal_eval(cells.result(logs))
-    assert {"rank0.log", "rank1.log"} <= set(files), files
+    assert {"rank0.log", "rank1.log", "events.jsonl"} <= set(files), files
 
-    [error] = cells.errors(cells.cell(nb, "failure"))
+    failure = cells.cell(nb, "failure")
+    [error] = cells.errors(failure)
     assert error.ename == "RuntimeError"
     assert error.evalue.startswith("[rank 1] "), error.evalue
     assert "shapes cannot be multiplied" in error.evalue
@@ -102,9 +363,134 @@ def _check_quickstart(nb: Any, cells: Any, folder: Path) -> None:
     assert "Traceback from rank 1" in text, text
     remote = text[text.index("Traceback from rank 1") :].split("direct cause")[0]
     assert "loss = model(torch.randn(8, features)).pow(2).mean()" in remote, text
+    failed = widgets.dashboard("failure")
+    assert widgets.text(failed["header"]).startswith("failed")
+    shown_error = widgets.text(failed["errors"])
+    assert "rank 1 failed" in shown_error, shown_error
+    assert "loss = model(torch.randn(8, features)).pow(2).mean()" in shown_error, shown_error
+
+    plain = cells.cell(nb, "text")
+    assert not widgets.dashboards("text"), "dashboard=False showed widgets"
+    screen = cells.screen_lines(cells.stream(plain))
+    assert "rank 0 of 2: 256 samples" in screen, screen
+    assert "[rank 1] rank 1 of 2: 256 samples" in screen, screen
+    assert any(line.startswith("training: 100%") and "20/20" in line for line in screen), screen
 
     assert cells.result(cells.cell(nb, "torch-free")) == "False"
-    assert len(list((folder / "nbaccel_runs").iterdir())) == 3  # runs_dir defaults to the cwd
+    assert len(list((folder / "nbaccel_runs").iterdir())) == 4  # runs_dir defaults to the cwd
 
 
-CONTENT_CHECKS = {"01_quickstart_cpu.ipynb": _check_quickstart}
+def _check_config_panel(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    panel_ids = list(widgets._shown(cells.cell(nb, "panel").outputs))
+    by_class = {cls: mid for mid in panel_ids for cls in widgets.classes(mid)}
+    assert "nbaccel-config-panel" in by_class, "the panel was not displayed"
+    # The panel shows the final choice: FSDP full shard, bf16, and its memory estimate.
+    assert "2.01 MiB per device" in widgets.text(by_class["nbaccel-panel-memory"])
+    assert "succeeded" in widgets.text(by_class["nbaccel-panel-status"])
+
+    choose = cells.stream(cells.cell(nb, "choose"))
+    assert "'strategy': 'fsdp'" in choose and "'mixed_precision': 'bf16'" in choose, choose
+    assert "estimate: 2.01 MiB per device: parameters 0.50, gradients 0.50" in choose, choose
+    invalid = cells.stream(cells.cell(nb, "invalid"))
+    assert "HYBRID_SHARD" in invalid and "Launch disabled: True" in invalid, invalid
+    assert "after the fix: no problems | Launch disabled: False" in invalid, invalid
+
+    # The Launch button's dashboard lives in the panel (its Output widget), not the cell.
+    launch = cells.cell(nb, "launch")
+    assert ast.literal_eval(cells.result(launch))["strategy"] == "FSDP"
+    [inside] = widgets.dashboards("panel")
+    header = widgets.text(inside["header"])
+    assert header.startswith("succeeded") and "fsdp · bf16" in header, header
+    assert widgets.frames(inside["curve"], "launch"), "no curve frame reached the panel"
+    assert set(_memory_mib(widgets, inside)) == {"rank 0 (cpu)", "rank 1 (cpu)"}
+
+    blocking = cells.cell(nb, "blocking")
+    report = ast.literal_eval(cells.result(blocking))
+    assert report["strategy"] == "FSDP" and report["precision"] == "bf16", report
+    _assert_live_dashboard(widgets, blocking, min_frames=1, memory=False)  # a 1-s run
+
+    save = cells.stream(cells.cell(nb, "save"))
+    assert "mixed_precision: bf16" in save, save
+    assert "the file gives the panel's config: True" in save, save
+    command = cells.stream(cells.cell(nb, "command"))
+    assert command.startswith("nbaccel launch --num_processes 2"), command
+    assert "--strategy fsdp" in command and "--mixed_precision bf16" in command, command
+
+
+def _check_precision_and_sharding(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    comparison = ast.literal_eval(cells.result(cells.cell(nb, "compare")))
+    assert set(comparison) == {"DDP", "ZeRO-1", "FSDP full shard"}, comparison
+    for name, parts in comparison.items():
+        for part, ratio in parts.items():
+            assert ratio == pytest.approx(1.0, abs=0.02), (name, part, ratio)
+    table = cells.stream(cells.cell(nb, "compare"))
+    losses = {
+        line.split()[0]: float(line.split()[-1])
+        for line in table.splitlines()
+        if line.startswith(("DDP", "ZeRO-1", "FSDP"))
+    }
+    assert len(set(losses.values())) == 1, f"sharding changed the training: {losses}"
+    precision = cells.stream(cells.cell(nb, "launch-bf16"))
+    fp32 = r"DDP +computes in torch.float32 +parameters: Parameter torch.float32"
+    bf16 = r"DDP, bf16 +computes in torch.bfloat16 +parameters: Parameter torch.float32"
+    assert re.search(fp32, precision) and re.search(bf16, precision), precision
+    for cell_id, label in (
+        ("launch-ddp", "ddp · no"),
+        ("launch-bf16", "ddp · bf16"),
+        ("launch-zero1", "auto · no"),
+        ("launch-fsdp", "fsdp · no"),
+    ):
+        # The first launch starts the helper and lasts long enough for memory readings.
+        first = cell_id == "launch-ddp"
+        cell = cells.cell(nb, cell_id)
+        dashboard = _assert_live_dashboard(widgets, cell, min_frames=1, memory=first)
+        assert label in widgets.text(dashboard["header"]), widgets.text(dashboard["header"])
+        assert "step 39" in widgets.text(dashboard["log"])
+
+
+def _check_resume(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    reference = ast.literal_eval(cells.result(cells.cell(nb, "reference")))
+    resumed = ast.literal_eval(cells.result(cells.cell(nb, "resume")))
+    assert reference == resumed and reference["step"] == 40, (reference, resumed)
+    interrupt = cells.cell(nb, "interrupt")
+    assert cells.result(interrupt) == "<RunState.CANCELLED: 'cancelled'>"
+    stopped = widgets.dashboard("interrupt")
+    assert widgets.text(stopped["header"]).startswith("cancelled")
+    assert "step 20: checkpoint saved" in widgets.text(stopped["log"])
+    assert "step 30" not in widgets.text(stopped["log"])
+    resume_log = widgets.text(widgets.dashboard("resume")["log"])
+    assert re.search(r"resumed from \S+checkpoint at step 20", resume_log), resume_log
+    compare = cells.stream(cells.cell(nb, "compare"))
+    assert "steps 21-40 logged after the resume" in compare, compare
+    assert "identical losses: True | identical weights: True" in compare, compare
+
+
+def _check_accelerate(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    launch = cells.cell(nb, "launch")
+    report = ast.literal_eval(cells.result(launch))
+    assert report["distributed_type"] == "DistributedType.MULTI_CPU", report
+    assert report["num_processes"] == 2 and report["batches_per_rank"] == 16, report
+    assert report["mixed_precision"] == "bf16" and report["computed_in"] == "torch.bfloat16"
+    assert report["gradient_accumulation_steps"] == 2, report
+    assert report["final_loss"] < 0.5, report
+    dashboard = widgets.dashboard("launch")
+    log = _log_lines(widgets, dashboard)
+    assert [line for line in log if line.startswith("epoch 2: loss")], log
+    bars = [line for line in log if line.startswith("epoch 2:") and "16/16" in line]
+    assert len(bars) == 1, log
+    assert set(_memory_mib(widgets, dashboard)) == {"rank 0 (cpu)", "rank 1 (cpu)"}
+    text, _ = _summary(launch)
+    assert ": succeeded" in text, text
+
+
+CONTENT_CHECKS = {
+    "01_quickstart_cpu.ipynb": _check_quickstart,
+    "02_config_panel.ipynb": _check_config_panel,
+    "03_precision_and_sharding.ipynb": _check_precision_and_sharding,
+    "04_resume_from_checkpoint.ipynb": _check_resume,
+    "05_accelerate_code_unchanged.ipynb": _check_accelerate,
+}
