@@ -19,6 +19,10 @@ class TextPrinter:
         self._ranks = ranks
         self._announce_end = announce_end
         self._open_rank: int | None = None  # whose "\r" progress line is being redrawn
+        # ipykernel's stream sends what it holds every flush_interval (0.2 s) by itself;
+        # flushing it per line sent one IOPub message per line (measured: 100 msg/s and
+        # +10 % of a core in the kernel). Terminals and pipes are flushed per line.
+        self._flush_per_line = not hasattr(stream, "flush_interval")
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, LogLine):
@@ -35,11 +39,13 @@ class TextPrinter:
             self._open_rank = event.rank if event.partial else None
             if not event.partial:
                 self._stream.write("\n")
-            self._stream.flush()
+            if self._flush_per_line:
+                self._stream.flush()
         elif isinstance(event, RunEnded):
             if self._open_rank is not None:
                 self._stream.write("\n")
                 self._open_rank = None
             if self._announce_end and event.state is not RunState.SUCCEEDED:
-                self._stream.write(f"nbaccel: run {event.state.value}: {event.error}\n")
+                why = f": {event.error}" if event.error is not None else ""  # stop(): no error
+                self._stream.write(f"nbaccel: run {event.state.value}{why}\n")
             self._stream.flush()

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.events import Event, RunEnded, RunStarted
+from nbaccel.events import Event, RunEnded, RunStarted, WorkerStarted
 from nbaccel.ui.dashboard_model import DashboardModel, MemoryReading
 from nbaccel.ui.dashboard_text import (
     errors_html,
@@ -108,6 +108,8 @@ class Dashboard(DashboardWidgets):
         leaves none behind.
         """
         self._put(event, urgent=isinstance(event, (RunStarted, RunEnded)))
+        if isinstance(event, WorkerStarted) and self._sampler is not None:
+            self._sampler.wake()  # the worker's pid is known now: read its memory at once
         if isinstance(event, RunStarted) and self._threaded:
             self.start()
         ui_thread = self._thread
@@ -285,7 +287,7 @@ class Dashboard(DashboardWidgets):
         steps, values = self.model.series(self._metric)
         if steps and self._written.get("curve_key") != (self._metric, self.model.metrics_version):
             self._written["curve_key"] = (self._metric, self.model.metrics_version)
-            png = curve.render(self._metric, steps, values, self.model.total_steps)
+            png = curve.render(self._metric, steps, values, self.model.expected_last_step)
             self._set("curve", self.curve, "value", png)
             self._set("curve_shown", self.curve.layout, "display", None)
         readings = self.model.memory

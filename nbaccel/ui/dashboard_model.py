@@ -233,6 +233,14 @@ class DashboardModel:
         return self._total
 
     @property
+    def expected_last_step(self) -> int | None:
+        """Where the curve's x axis should end: ``total_steps``, else rank 0's tqdm total
+        (a guess: steps usually count the bar's iterations; the plot widens if they do not)."""
+        if self._total is not None:
+            return self._total
+        return self._progress[1] if self._progress is not None else None
+
+    @property
     def metric_names(self) -> list[str]:
         return list(self._series)
 

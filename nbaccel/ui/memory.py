@@ -204,6 +204,7 @@ class MemorySampler:
         self._on_readings = on_readings
         self._interval = interval
         self._stopping = threading.Event()
+        self._poked = threading.Event()  # set by wake() and stop(): read (or end) now
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -217,22 +218,30 @@ class MemorySampler:
             self._on_readings(readings)
         return readings
 
+    def wake(self) -> None:
+        """Read now rather than at the next interval (a worker just started: a run shorter
+        than the interval would otherwise end with no reading at all)."""
+        self._poked.set()
+
     def stop(self, timeout: float = 2.0) -> None:
         """End the thread (within ``timeout``); the source is closed on its way out."""
         self._stopping.set()
+        self._poked.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def _loop(self) -> None:
         try:
-            # The first reading at once; then the event's timed wait paces the loop and
-            # ends it as soon as stop() is called.
+            # The first reading at once; then the poke event's timed wait paces the loop,
+            # and wake() or stop() cut the wait short.
             while True:
                 try:
                     self.sample()
                 except Exception:  # noqa: BLE001 - a failed reading must not end sampling
                     pass
-                if self._stopping.wait(self._interval):
+                self._poked.wait(self._interval)
+                self._poked.clear()
+                if self._stopping.is_set():
                     break
         finally:
             self._source.close()
