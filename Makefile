@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint unit multiprocess notebook bench clean
+.PHONY: demo test lint unit multiprocess notebook browser bench clean
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	python3 -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml requirements/ci.txt
 demo: $(STAMP)
 	$(VENV)/bin/nbaccel demo
 
-test: lint unit multiprocess notebook
+test: lint unit multiprocess notebook browser
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbaccel tests benchmarks
@@ -31,6 +31,11 @@ multiprocess: $(STAMP)
 
 notebook: $(STAMP)
 	$(PY) -m pytest tests/notebook
+
+# JupyterLab in Debian's headless chromium (installed by .ci/install-browser, a no-op once there).
+browser: $(STAMP)
+	.ci/install-browser
+	$(PY) -m pytest tests/browser
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_latency.py
