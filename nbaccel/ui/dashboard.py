@@ -303,6 +303,9 @@ class Dashboard(DashboardWidgets):
         self._drain()  # the sampler's last readings
         self._write_text()
         self._write_images()
+        if self.model.memory:  # the workers are gone: their figures are the last readings
+            html_text = memory_html(self.model.memory, ended=True)
+            self._set("memory_text", self.memory_text, "value", html_text)
         self.summary_text = summary_text(self.model)
         if self._plots is not None and (self.model.metric_names or self.model.memory):
             series = {name: self.model.series(name) for name in self.model.metric_names}

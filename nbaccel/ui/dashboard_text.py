@@ -82,7 +82,7 @@ def summary_text(model: DashboardModel) -> str:
         )
     for r in model.memory:
         lines.append(
-            f"memory {r.device}: {size_text(r.current)} now, {size_text(r.peak)} peak, "
+            f"memory {r.device}: {size_text(r.current)} last, {size_text(r.peak)} peak, "
             f"{size_text(r.limit)} limit"
         )
     lines += [f"error: {error.summary}" for error in model.errors]
@@ -136,10 +136,12 @@ def errors_html(errors: list[ErrorReport]) -> str:
     return "".join(parts)
 
 
-def memory_html(readings: list[MemoryReading]) -> str:
-    """One line per device: current, peak and limit ("n/a" where unknown)."""
+def memory_html(readings: list[MemoryReading], ended: bool = False) -> str:
+    """One line per device: current (the last reading once the run ended), peak and limit
+    ("n/a" where unknown)."""
+    when = "last" if ended else "now"
     rows = (
-        f"{html.escape(r.device)}: {size_text(r.current)} now · {size_text(r.peak)} peak"
+        f"{html.escape(r.device)}: {size_text(r.current)} {when} · {size_text(r.peak)} peak"
         f" · {size_text(r.limit)} limit"
         for r in readings
     )

@@ -30,7 +30,12 @@ class DashboardWidgets:
         self.header = _tagged(widgets.HTML(), "nbaccel-header")
         self.rank_selector = _tagged(
             widgets.Dropdown(
-                options=choices, value=rank, description="log", layout=layout(width="150px")
+                options=choices,
+                value=rank,
+                description="log",
+                # The label's default width squeezed the choice to "rank (" in JupyterLab.
+                style={"description_width": "initial"},
+                layout=layout(width="160px"),
             ),
             "nbaccel-rank",
         )

@@ -277,7 +277,8 @@ def _memory_mib(widgets: Widgets, dashboard: dict[str, str]) -> dict[str, float]
     units = {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
     found = {}
     for line in widgets.text(dashboard["memory-text"]).split("\n"):
-        match = re.match(r"\s*(.+?): (?:n/a|[\d.]+ \w+) now · ([\d.]+) (KiB|MiB|GiB) peak", line)
+        reading = r"\s*(.+?): (?:n/a|[\d.]+ \w+) (?:now|last) · ([\d.]+) (KiB|MiB|GiB) peak"
+        match = re.match(reading, line)
         if match:
             found[match.group(1)] = float(match.group(2)) * units[match.group(3)]
     return found
