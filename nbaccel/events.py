@@ -53,6 +53,15 @@ class WorkerStarted:
 
 
 @dataclass(frozen=True)
+class ModelPrepared:
+    """Rank 0 prepared a model of ``num_params`` parameters (the dashboard's memory estimate)."""
+
+    rank: int
+    num_params: int
+    time: float
+
+
+@dataclass(frozen=True)
 class LogLine:
     """One line of a rank's output.
 
@@ -92,7 +101,7 @@ class RunEnded:
     time: float
 
 
-Event = RunStarted | WorkerStarted | LogLine | Metric | RankExited | RunEnded
+Event = RunStarted | WorkerStarted | ModelPrepared | LogLine | Metric | RankExited | RunEnded
 
 
 def encode_frame(message: Mapping[str, Any]) -> bytes:

@@ -36,6 +36,18 @@ def log_metrics(values: Mapping[str, Any], step: int | None = None) -> dict[str,
     return {**scalars, "step": int(step)}
 
 
+def report_model(num_params: int) -> None:
+    """Tell the launcher the size of a prepared model (``Accelerator.prepare`` calls it), so
+    the dashboard can show the memory estimate next to the live readings. A no-op outside
+    an nbaccel worker.
+
+    >>> report_model(1_000_000)
+    """
+    session = active_session()
+    if session is not None:
+        session.events.send({"kind": "model", "num_params": int(num_params), "time": time.time()})
+
+
 def _scalar(name: object, value: Any) -> float:
     if hasattr(value, "item"):
         value = value.item()

@@ -44,6 +44,7 @@ from nbaccel.accel.trackers import Tracker
 from nbaccel.accel.tracking import Tracking
 from nbaccel.config import Config
 from nbaccel.deepspeed_config import mixed_precision_of
+from nbaccel.metrics import report_model
 
 _SCHEDULER_TYPES: tuple[type, ...] = (
     torch.optim.lr_scheduler.LRScheduler,
@@ -182,6 +183,8 @@ class Accelerator(Tracking, GradientClipping):
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_model(self, model: torch.nn.Module, placement: bool) -> torch.nn.Module:
+        if self.is_main_process:  # for the dashboard's memory estimate
+            report_model(sum(p.numel() for p in model.parameters()))
         if self.distributed_type is DistributedType.FSDP:
             self._new_params |= models.prepare_sharded_model(
                 model, self.state, self.precision, self.config.fsdp, self.config.dynamo_backend

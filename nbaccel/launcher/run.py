@@ -30,6 +30,7 @@ from nbaccel.events import (
     FrameDecoder,
     LogLine,
     Metric,
+    ModelPrepared,
     RankExited,
     RunEnded,
     RunStarted,
@@ -279,6 +280,8 @@ class Run:
         if kind == "started":
             r.pid = message["pid"]
             self._emit(WorkerStarted(r.rank, message["pid"], message["time"]))
+        elif kind == "model":
+            self._emit(ModelPrepared(r.rank, message["num_params"], message["time"]))
         elif kind == "metric":
             event = Metric(r.rank, message["step"], message["values"], message["time"])
             if r.rank == 0:

@@ -295,7 +295,8 @@ class Dashboard(DashboardWidgets):
             self._written["memory_key"] = self.model.memory_version
             self._set("memory", self.memory, "value", bars.render(readings))
             self._set("memory_shown", self.memory.layout, "display", None)
-            self._set("memory_text", self.memory_text, "value", memory_html(readings))
+            text = memory_html(readings, estimate=self.model.estimate)
+            self._set("memory_text", self.memory_text, "value", text)
 
     def _finish(self) -> None:
         if self._sampler is not None:
@@ -304,7 +305,7 @@ class Dashboard(DashboardWidgets):
         self._write_text()
         self._write_images()
         if self.model.memory:  # the workers are gone: their figures are the last readings
-            html_text = memory_html(self.model.memory, ended=True)
+            html_text = memory_html(self.model.memory, ended=True, estimate=self.model.estimate)
             self._set("memory_text", self.memory_text, "value", html_text)
         self.summary_text = summary_text(self.model)
         if self._plots is not None and (self.model.metric_names or self.model.memory):

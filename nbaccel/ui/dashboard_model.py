@@ -19,12 +19,14 @@ from nbaccel.events import (
     Event,
     LogLine,
     Metric,
+    ModelPrepared,
     RankExited,
     RunEnded,
     RunStarted,
     RunState,
     WorkerStarted,
 )
+from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
 
 # tqdm's default bar ends with "| n/total [elapsed<remaining, rate]".
 _PROGRESS = re.compile(r"(\d+)/(\d+) \[")
@@ -165,16 +167,20 @@ class DashboardModel:
         self._batch: float | None = None  # per-process batch size, if the run logs it
         self._progress: tuple[int, int] | None = None  # tqdm's n/total on rank 0
         self._progress_times: deque[tuple[float, int]] = deque()
+        self.config: Config | None = None  # set by for_config: the memory estimate needs it
+        self.estimate: MemoryEstimate | None = None  # per device, once rank 0 prepared a model
 
     @classmethod
     def for_config(cls, config: Config, world_size: int, **options: int) -> DashboardModel:
         """A model labelled with a run's strategy and precision."""
-        return cls(
+        model = cls(
             world_size,
             strategy=config.strategy,
             precision=config.mixed_precision,
             **options,
         )
+        model.config = config
+        return model
 
     # ----- input ------------------------------------------------------------------
     def handle(self, event: Event) -> None:
@@ -189,6 +195,12 @@ class DashboardModel:
             self._on_metric(event)
         elif isinstance(event, WorkerStarted):
             self.pids[event.rank] = event.pid
+        elif isinstance(event, ModelPrepared) and self.config is not None:
+            # What the config panel estimated, now for the real model: shown by the bars.
+            self.estimate = estimate_for_config(
+                self.config, event.num_params, world_size=self.world_size
+            )
+            self.memory_version += 1
         elif isinstance(event, RunStarted):
             self.run_id, self.world_size = event.run_id, event.world_size
             self.state, self._started = RunState.RUNNING, event.time

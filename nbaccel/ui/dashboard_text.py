@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 
+from nbaccel.memory_estimate import MemoryEstimate
 from nbaccel.ui.dashboard_model import DashboardModel, ErrorReport, Header, MemoryReading
 
 BLOCKING_NOTE = (
@@ -85,6 +86,8 @@ def summary_text(model: DashboardModel) -> str:
             f"memory {r.device}: {size_text(r.current)} last, {size_text(r.peak)} peak, "
             f"{size_text(r.limit)} limit"
         )
+    if model.estimate is not None:
+        lines.append(estimate_line(model.estimate))
     lines += [f"error: {error.summary}" for error in model.errors]
     return "\n".join(lines)
 
@@ -136,13 +139,23 @@ def errors_html(errors: list[ErrorReport]) -> str:
     return "".join(parts)
 
 
-def memory_html(readings: list[MemoryReading], ended: bool = False) -> str:
+def memory_html(
+    readings: list[MemoryReading], ended: bool = False, estimate: MemoryEstimate | None = None
+) -> str:
     """One line per device: current (the last reading once the run ended), peak and limit
-    ("n/a" where unknown)."""
+    ("n/a" where unknown); then the estimate for the prepared model, when there is one."""
     when = "last" if ended else "now"
-    rows = (
+    rows = [
         f"{html.escape(r.device)}: {size_text(r.current)} {when} · {size_text(r.peak)} peak"
         f" · {size_text(r.limit)} limit"
         for r in readings
-    )
+    ]
+    if estimate is not None:
+        rows.append(html.escape(estimate_line(estimate)))
     return "<small style='font-family:monospace'>" + "<br>".join(rows) + "</small>"
+
+
+def estimate_line(estimate: MemoryEstimate) -> str:
+    """The estimate next to the readings: model states only (no activations), so a
+    reading above it is expected; on CPU the process's RSS also holds torch itself."""
+    return f"estimate (model states, per device): {estimate.describe()}"

@@ -540,3 +540,27 @@ def test_clip_grad_norm_clips_the_global_norm_of_sharded_gradients(runs_dir: str
     assert two["norms"] == one["norms"]
     assert all(kind == "Tensor" and norm > 0.05 for kind, norm in two["norms"])  # it clipped
     assert_close(one["weights"], two["weights"])
+
+
+def prepare_only() -> int:
+
+    acc = nbaccel.Accelerator()
+    model = acc.prepare(blocks_model())
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_the_dashboard_estimates_the_prepared_models_memory(runs_dir: str) -> None:
+    from nbaccel.memory_estimate import estimate_for_config
+    from nbaccel.ui.attach import dashboard_for
+
+    # dashboard=True outside a kernel builds the widgets without showing them.
+    run = nbaccel.launch(
+        prepare_only, num_processes=2, runs_dir=runs_dir, dashboard=True, **BY_CLASS
+    )
+    params = run.result(timeout=120)
+    dashboard = dashboard_for(run)
+    assert dashboard is not None and dashboard.model.estimate is not None
+    assert params == 3 * 72 + 9  # counted by rank 0 in prepare and sent to the parent
+    expected = estimate_for_config(run.config, params, world_size=2)
+    assert dashboard.model.estimate == expected
+    assert "estimate (model states, per device)" in dashboard.summary_text

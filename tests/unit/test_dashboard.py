@@ -508,3 +508,19 @@ def test_memory_bars_and_summary_render() -> None:
     summary = render_summary({"loss": ([0, 1], [1.0, 0.5]), "empty": ([], [])}, readings, "t")
     assert summary.startswith(PNG)
     assert render_summary({}, [], "nothing").startswith(PNG)
+
+
+def test_the_estimate_for_the_prepared_model_is_shown_next_to_the_readings() -> None:
+    from nbaccel.events import ModelPrepared
+    from nbaccel.ui.dashboard_text import memory_html, summary_text
+
+    config = Config(num_processes=2, strategy="fsdp")
+    model = DashboardModel.for_config(config, 2)
+    model.handle(ModelPrepared(0, 10**6, 1.0))
+    assert model.estimate is not None
+    assert model.estimate.total == 8 * 10**6  # ZeRO-3, AdamW, fp32, 2 ranks: 16 B / 2
+    model.set_memory([MemoryReading("rank 0", 2**30, 2**30, 2**34)])
+    assert "estimate (model states, per device): 7.63 MiB" in memory_html(
+        model.memory, estimate=model.estimate
+    )
+    assert "estimate (model states, per device)" in summary_text(model)
