@@ -60,7 +60,16 @@ def header_text(head: Header) -> str:
     if head.eta is not None:
         parts.append(f"ETA {clock_text(head.eta)}")
     processes = "process" if head.world_size == 1 else "processes"
-    parts += [f"{head.world_size} {processes}", head.strategy, head.precision]
+    # "auto" and "no" are the config's words; say what runs: DDP (auto with several
+    # processes off TPUs), fp32.
+    strategy = head.strategy
+    if strategy == "auto":
+        strategy = "ddp" if head.world_size > 1 else "one process"
+    parts += [
+        f"{head.world_size} {processes}",
+        strategy,
+        _PRECISION.get(head.precision, head.precision),
+    ]
     return " · ".join(parts)
 
 
@@ -137,6 +146,9 @@ def errors_html(errors: list[ErrorReport]) -> str:
             + "</div>"
         )
     return "".join(parts)
+
+
+_PRECISION = {"no": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
 
 
 def memory_html(

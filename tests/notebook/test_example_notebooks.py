@@ -438,10 +438,10 @@ def _check_precision_and_sharding(widgets: Widgets, cells: Any, folder: Path) ->
     bf16 = r"DDP, bf16 +computes in torch.bfloat16 +parameters: Parameter torch.float32"
     assert re.search(fp32, precision) and re.search(bf16, precision), precision
     for cell_id, label in (
-        ("launch-ddp", "ddp · no"),
+        ("launch-ddp", "ddp · fp32"),
         ("launch-bf16", "ddp · bf16"),
-        ("launch-zero1", "auto · no"),
-        ("launch-fsdp", "fsdp · no"),
+        ("launch-zero1", "ddp · fp32"),
+        ("launch-fsdp", "fsdp · fp32"),
     ):
         # The first launch starts the helper and lasts long enough for memory readings.
         first = cell_id == "launch-ddp"
