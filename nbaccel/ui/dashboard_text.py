@@ -48,7 +48,7 @@ def header_text(head: Header) -> str:
     """The header as one line.
 
     >>> header_text(Header("r1", "running", 75.0, 10, 40, 2.0, None, 15.0, 2, "ddp", "bf16"))
-    'running · 1:15 · step 10/40 · 2.00 steps/s · ETA 0:15 · 2 processes · ddp · bf16'
+    'running · 1:15 · step 10/40 · 2.00 steps/s · ETA 0:15 · 2 processes · ddp · bf16 autocast'
     """
     parts = [head.state, clock_text(head.elapsed)]
     if head.step is not None:
