@@ -52,18 +52,21 @@ def owners(models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> list
     return found
 
 
+Pairs = list[tuple[torch.nn.Module, Any]]  # each optimizer with the model it updates
+
+
+def _paired(models: Sequence[torch.nn.Module], optimizers: Sequence[Any]) -> Pairs:
+    return [(models[j], opt) for opt, j in zip(optimizers, owners(models, optimizers), strict=True)]
+
+
 def _state(
-    models: Sequence[torch.nn.Module], optimizers: Sequence[Any], options: StateDictOptions
+    models: Sequence[torch.nn.Module], pairs: Pairs, options: StateDictOptions
 ) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for i, model in enumerate(models):
         state[f"model_{i}"] = get_model_state_dict(model, options=options)
-    for i, (optimizer, owner) in enumerate(
-        zip(optimizers, owners(models, optimizers), strict=True)
-    ):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(
-            models[owner], optimizer, options=options
-        )
+    for i, (owner, optimizer) in enumerate(pairs):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(owner, optimizer, options=options)
     return state
 
 
@@ -76,12 +79,11 @@ def save(
     rank: int,
 ) -> None:
     """Write models' and optimizers' state into ``folder``; every rank must call it."""
+    pairs = _paired(models, optimizers)
     if not full:
-        dcp_save(
-            _state(models, optimizers, StateDictOptions()), checkpoint_id=folder / SHARDED_FOLDER
-        )
+        dcp_save(_state(models, pairs, StateDictOptions()), checkpoint_id=folder / SHARDED_FOLDER)
         return
-    state = _state(models, optimizers, _FULL)  # collective: every rank gathers
+    state = _state(models, pairs, _FULL)  # collective: every rank gathers
     if rank == 0:
         for key, value in state.items():
             torch.save(value, folder / f"{key}.pt")
@@ -91,6 +93,7 @@ def load(
     folder: Path, models: Sequence[torch.nn.Module], optimizers: Sequence[Any], *, full: bool
 ) -> None:
     """Restore what ``save`` wrote, resharding to this run's processes."""
+    pairs = _paired(models, optimizers)
     if full:
         options = StateDictOptions(full_state_dict=True)
         loaded = {
@@ -98,26 +101,24 @@ def load(
             for f in folder.glob("*_*.pt")
             if f.stem.startswith(("model_", "optimizer_"))
         }
-        _apply(models, optimizers, loaded, options)
+        _apply(models, pairs, loaded, options)
         return
-    state = _state(models, optimizers, StateDictOptions())
+    state = _state(models, pairs, StateDictOptions())
     _check_metadata(folder / SHARDED_FOLDER, state)
     dcp_load(state, checkpoint_id=folder / SHARDED_FOLDER)
-    _apply(models, optimizers, state, StateDictOptions())
+    _apply(models, pairs, state, StateDictOptions())
 
 
 def _apply(
     models: Sequence[torch.nn.Module],
-    optimizers: Sequence[Any],
+    pairs: Pairs,
     state: dict[str, Any],
     options: StateDictOptions,
 ) -> None:
     for i, model in enumerate(models):
         set_model_state_dict(model, state[f"model_{i}"], options=options)
-    for i, (optimizer, owner) in enumerate(
-        zip(optimizers, owners(models, optimizers), strict=True)
-    ):
-        set_optimizer_state_dict(models[owner], optimizer, state[f"optimizer_{i}"], options=options)
+    for i, (owner, optimizer) in enumerate(pairs):
+        set_optimizer_state_dict(owner, optimizer, state[f"optimizer_{i}"], options=options)
 
 
 def _check_metadata(path: Path, state: dict[str, Any]) -> None:
