@@ -8,69 +8,27 @@ writes into ``os.environ``), and the backends are inferred from packages and dev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
-import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import nbaccel
+from nbaccel.config import Config
 from nbaccel.config_files import accelerate_default_file, default_file, nbaccel_default_file
-from nbaccel.devices import visible_gpu_count
+from nbaccel.devices import TPUInfo, detect_tpu, visible_gpu_count
+from nbaccel.errors import ConfigError
+from nbaccel.xla_plan import check_versions, plan_xla, uses_xla
 
 PACKAGES: tuple[str, ...] = ("torch", "torch_xla", "accelerate", "cloudpickle", "psutil", "pyyaml")
 PACKAGES += ("ipykernel", "ipywidgets", "nvidia-ml-py")
-GOOGLE_PCI_VENDOR = "0x1ae0"
-# Google's PCI device ids of TPU chips (those torch_xla and JAX check). Other Google devices,
-# such as the gVNIC network card or NVMe disks of every GCE VM, are not TPUs.
-TPU_PCI_DEVICES = {"0x0027": "v2/v3", "0x0056": "unnamed", "0x005e": "v4", "0x0062": "v5p"}
-TPU_PCI_DEVICES |= {"0x0063": "v5e", "0x006f": "v6e"}
 SHOWN_PREFIXES = ("NBACCEL_", "ACCELERATE_")
 SHOWN_VARS = ("CUDA_VISIBLE_DEVICES", "PJRT_DEVICE")
-
-
-@dataclass(frozen=True)
-class TPUInfo:
-    """TPU chips found on this machine, the evidence, and ``PJRT_DEVICE`` if set."""
-
-    chips: int
-    evidence: tuple[str, ...]
-    pjrt_device: str | None
-
-    @property
-    def xla_device(self) -> str | None:
-        """What torch_xla would use: ``PJRT_DEVICE`` when set, else TPU when chips exist."""
-        if self.pjrt_device:
-            return self.pjrt_device.upper()
-        return "TPU" if self.chips else None
-
-
-def detect_tpu(root: Path, env: Mapping[str, str]) -> TPUInfo:
-    """Find TPU chips under ``root`` (normally ``/``) without importing torch_xla.
-
-    Evidence, strongest first: Google TPU devices under ``sys/bus/pci/devices`` (PCI vendor
-    0x1ae0), ``dev/accelN`` (TPU v2-v4), numeric ``dev/vfio/N`` entries (v5e and later).
-
-    >>> info = detect_tpu(Path("/nonexistent"), {"PJRT_DEVICE": "TPU"})
-    >>> info.chips, info.xla_device
-    (0, 'TPU')
-    """
-    pci = []
-    for vendor in sorted((root / "sys" / "bus" / "pci" / "devices").glob("*/vendor")):
-        device = _read(vendor.parent / "device")
-        if _read(vendor) == GOOGLE_PCI_VENDOR and device in TPU_PCI_DEVICES:
-            pci.append(f"PCI {vendor.parent.name} (TPU {TPU_PCI_DEVICES[device]}, id {device})")
-    dev = root / "dev"
-    accel = sorted(p.name for p in dev.glob("accel*") if p.name[5:].isdigit())
-    vfio = sorted((p.name for p in (dev / "vfio").glob("*") if p.name.isdigit()), key=int)
-    evidence = (*pci, *(f"/dev/{name}" for name in accel), *(f"/dev/vfio/{n}" for n in vfio))
-    chips = len(pci) or len(accel) or len(vfio)
-    return TPUInfo(chips, evidence, env.get("PJRT_DEVICE") or None)
 
 
 def collect_report(env: Mapping[str, str], root: Path = Path("/")) -> dict[str, Any]:
@@ -79,7 +37,7 @@ def collect_report(env: Mapping[str, str], root: Path = Path("/")) -> dict[str, 
     >>> report = collect_report({"HOME": "/nonexistent"}, root=Path("/nonexistent"))
     >>> sorted(report)  # doctest: +NORMALIZE_WHITESPACE
     ['backends', 'config_files', 'devices', 'environment', 'nbaccel', 'packages', 'python',
-     'warnings']
+     'warnings', 'xla']
     """
     packages = {name: _version(name) for name in PACKAGES}
     gpus = visible_gpu_count(env, proc_root=root / "proc")
@@ -88,12 +46,11 @@ def collect_report(env: Mapping[str, str], root: Path = Path("/")) -> dict[str, 
     warnings = []
     if torch is None:
         warnings.append("torch is not installed: workers need it. Install it: pip install torch")
-    if torch and xla and _major_minor(torch) != _major_minor(xla):
-        warnings.append(
-            f"torch {torch} and torch_xla {xla} differ in major.minor: `import torch_xla` "
-            "will fail (undefined symbol). Install matching versions, e.g. "
-            f"pip install 'torch=={_major_minor(xla)}.*'."
-        )
+    xla_report = _xla(tpu, env, packages)
+    if xla and xla_report["version_check"] != "ok":
+        warnings.append(xla_report["version_check"])
+    if xla_report["error"] and xla_report["error"] not in warnings:
+        warnings.append(xla_report["error"])
     cpu_build = bool(torch and "+cpu" in torch)
     if gpus and cpu_build:
         warnings.append(
@@ -133,6 +90,7 @@ def collect_report(env: Mapping[str, str], root: Path = Path("/")) -> dict[str, 
             for var in sorted(env)
             if var.startswith(SHOWN_PREFIXES) or var in SHOWN_VARS
         },
+        "xla": xla_report,
         "warnings": warnings,
     }
 
@@ -158,6 +116,7 @@ def format_report(report: Mapping[str, Any]) -> str:
         + (f" ({', '.join(tpu['evidence'])})" if tpu["chips"] else ""),
         f"  XLA device: {tpu['xla_device'] or 'none'}"
         + (f" (PJRT_DEVICE={tpu['PJRT_DEVICE']})" if tpu["PJRT_DEVICE"] else ""),
+        _xla_line(report["xla"]),
         f"  CPU: {cpu['logical']} logical, {cpu['physical']} physical, {cpu['usable']} usable; "
         f"memory {cpu['memory_total_gib']} GiB, {cpu['memory_available_gib']} GiB available",
         "Backends",
@@ -209,16 +168,33 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _major_minor(version: str) -> str:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return f"{match[1]}.{match[2]}" if match else version
+def _xla(tpu: TPUInfo, env: Mapping[str, str], packages: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether a launch with the schema's default config goes through torch_xla, and how."""
+    config = Config()
+    report: dict[str, Any] = {"used": uses_xla(config, tpu), "plan": None, "error": None}
+    report["version_check"] = (
+        (check_versions(packages.get) or "ok") if packages["torch_xla"] else "not installed"
+    )
+    if report["used"]:
+        try:
+            plan = plan_xla(config, tpu, env, version_of=packages.get)
+        except ConfigError as error:
+            report["error"] = str(error)
+        else:
+            report["plan"] = {
+                **dataclasses.asdict(plan),
+                "world_size": plan.world_size,
+                "summary": plan.describe(),
+            }
+    return report
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip().lower()
-    except OSError:
-        return ""
+def _xla_line(xla: Mapping[str, Any]) -> str:
+    if xla["plan"]:
+        return f"  XLA launch: {xla['plan']['summary']}"
+    if xla["error"]:
+        return "  XLA launch: not possible (see Warnings)"
+    return "  XLA launch: not used (no TPU found, PJRT_DEVICE not set)"
 
 
 def _file(path: Path) -> dict[str, Any]:

@@ -26,6 +26,7 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")
 STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed", "xla")
 TRACKERS = ("tensorboard", "csv", "jsonl", "wandb", "mlflow")
 DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "cudagraphs")
+XLA_START_METHODS = ("spawn", "fork")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,13 @@ class Config:
         False,
         "With DDP (strategy auto or ddp): shard the optimizer state across processes "
         "(ZeRO-1, torch's ZeroRedundancyOptimizer); parameters and gradients stay whole.",
+    )
+    xla_start_method: str = schema_field(
+        "spawn",
+        "How torch_xla starts its worker processes on TPUs: spawn (a fresh interpreter per "
+        "chip, the safe default) or fork (faster start; safe here because the process that "
+        "forks never touches the XLA device).",
+        choices=XLA_START_METHODS,
     )
     fsdp: FSDPOptions = field(default_factory=FSDPOptions, metadata={"help": FSDPOptions.__doc__})
     deepspeed: DeepSpeedOptions = field(

@@ -26,6 +26,7 @@ APPLIES_WHEN: dict[str, Predicate] = {
     "fsdp.": lambda values: values["strategy"] == "fsdp",
     "deepspeed.": lambda values: values["strategy"] == "deepspeed",
     "shard_optimizer_state": lambda values: values["strategy"] in ("auto", "ddp"),
+    "xla_start_method": lambda values: values["strategy"] in ("auto", "xla", "fsdp"),
     "sync_each_batch": lambda values: int(values["gradient_accumulation_steps"]) > 1,
     **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
     "rdzv_timeout": _multi_node,

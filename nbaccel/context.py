@@ -8,10 +8,12 @@ worker process by the worker's bootstrap and never in the parent. Plain data, st
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from nbaccel.config import Config
 from nbaccel.events import EventWriter
+from nbaccel.xla_plan import XlaPlan
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,23 @@ class WorkerSession:
     config: Config
     events: EventWriter
     metric_steps: int = 0
+    xla: XlaPlan | None = None  # set when torch_xla started this worker
 
 
 _active: WorkerSession | None = None
+# torch_xla runs several devices of one process in threads (TPU v2/v3, the CPU device with
+# CPU_NUM_DEVICES > 1): each thread is a rank of its own, so there the slot is per thread.
+_per_thread = threading.local()
 
 
-def activate(session: WorkerSession) -> None:
-    """Called once by the worker bootstrap, before the user's function runs."""
+def activate(session: WorkerSession, *, per_thread: bool = False) -> None:
+    """Called once by the worker bootstrap (per thread for threaded XLA devices), before the
+    user's function runs."""
     global _active
-    _active = session
+    if per_thread:
+        _per_thread.session = session
+    else:
+        _active = session
 
 
 def active_session() -> WorkerSession | None:
@@ -80,4 +90,5 @@ def active_session() -> WorkerSession | None:
     >>> active_session() is None
     True
     """
-    return _active
+    session: WorkerSession | None = getattr(_per_thread, "session", None)
+    return session if session is not None else _active

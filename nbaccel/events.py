@@ -85,6 +85,21 @@ class Metric:
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """A rank's device memory as its worker read it (XLA: ``xm.get_memory_info``), in bytes.
+
+    ``device``: the worker's device name (e.g. ``xla:0``); ``peak``/``limit`` None when unknown.
+    """
+
+    rank: int
+    device: str
+    used: int
+    peak: int | None
+    limit: int | None
+    time: float
+
+
+@dataclass(frozen=True)
 class RankExited:
     """A worker process ended: exit code, or minus the signal number that killed it."""
 
@@ -101,7 +116,16 @@ class RunEnded:
     time: float
 
 
-Event = RunStarted | WorkerStarted | ModelPrepared | LogLine | Metric | RankExited | RunEnded
+Event = (
+    RunStarted
+    | WorkerStarted
+    | ModelPrepared
+    | LogLine
+    | Metric
+    | DeviceMemory
+    | RankExited
+    | RunEnded
+)
 
 
 def encode_frame(message: Mapping[str, Any]) -> bytes:

@@ -24,13 +24,14 @@ from nbaccel.config import Config, shown_ranks
 from nbaccel.config_files import as_nested
 from nbaccel.context import ProcessContext
 from nbaccel.deepspeed_config import deepspeed_config
-from nbaccel.devices import visible_gpu_count
+from nbaccel.devices import detect_tpu, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.launcher.helper import shared_helper
 from nbaccel.launcher.payload import build_payload
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
 from nbaccel.resolve import ConfigSource, Resolved, resolve
+from nbaccel.xla_plan import XlaPlan, plan_xla, uses_xla, xla_worker_env
 
 DASHBOARD_CHOICES = ("auto", "text", True, False)
 
@@ -115,8 +116,10 @@ def _start(
     if num_processes is not None:
         explicit["num_processes"] = num_processes
     resolved = resolve(explicit, env=os.environ, config=config)
-    gpus = 0 if resolved.config.use_cpu else visible_gpu_count(os.environ)  # once: NVML is slow
-    world_size = plan_world_size(resolved.config, os.environ, gpus)
+    xla = plan_xla_launch(resolved.config, os.environ)
+    # Counted once: NVML is slow. A torch_xla launch runs on TPU (or XLA's CPU device).
+    gpus = 0 if resolved.config.use_cpu or xla else visible_gpu_count(os.environ)
+    world_size = xla.world_size if xla else plan_world_size(resolved.config, os.environ, gpus)
     payload = build_payload(function, tuple(args), kwargs or {}, resolved.config)
 
     helper = shared_helper()  # started on first use; it imports torch while we go on
@@ -124,7 +127,7 @@ def _start(
     run_dir = Path(resolved.config.runs_dir).resolve() / run_id
     run_dir.mkdir(parents=True)
     _write_config(run_dir, resolved)
-    run = Run(run_id, run_dir, resolved.config, world_size)
+    run = Run(run_id, run_dir, resolved.config, world_size, xla=xla)
     if widgets:
         from nbaccel.ui.attach import attach_dashboard
 
@@ -147,11 +150,14 @@ def _start(
         requests = [
             {
                 "context": context,
-                "env": worker_env(context, resolved.config, os.environ, on_cpu=not gpus),
+                "env": worker_env(context, resolved.config, os.environ, on_cpu=not gpus)
+                | (xla_worker_env(xla) if xla else {}),
                 "cwd": os.getcwd(),
             }
             for context in _contexts(run_id, world_size, port, run_dir)
         ]
+        # torch_xla's rank 0 serves its own store on MASTER_PORT: the port is released for it
+        # when this block ends, just before its workers start (they take seconds to import).
         run.start(helper, requests, payload_file.fileno(), listener.fileno())
     return run
 
@@ -173,14 +179,17 @@ def _check_call(function: Any, args: Any, kwargs: Any, dashboard: Any) -> None:
         raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
 
 
+def plan_xla_launch(
+    config: Config, env: Mapping[str, str], root: Path = Path("/")
+) -> XlaPlan | None:
+    """How torch_xla runs this launch (checked: versions, topology, kernel state), or None
+    when it does not go through torch_xla (no TPU, no ``PJRT_DEVICE``, strategy not xla)."""
+    tpu = detect_tpu(root, env)
+    return plan_xla(config, tpu, env) if uses_xla(config, tpu) else None
+
+
 def check_environment(config: Config, gpus: int, installed: Callable[[str], bool]) -> None:
     """Settings this machine cannot honour: an error now instead of a crash in a worker."""
-    if config.strategy == "xla" and not installed("torch_xla"):
-        raise ConfigError(
-            "strategy='xla' needs torch_xla, which is not installed. On a TPU runtime (Colab, "
-            "Kaggle) it is preinstalled; elsewhere: pip install nbaccel[xla].",
-            field="strategy",
-        )
     if config.strategy == "deepspeed":
         if not installed("deepspeed"):
             raise ConfigError(
@@ -202,7 +211,10 @@ def _installed(package: str) -> bool:
 
 
 def plan_world_size(config: Config, env: Mapping[str, str], gpus: int | None = None) -> int:
-    """Worker count for this machine, checked against the GPUs that are visible."""
+    """Worker count for this machine, checked against the TPU or GPUs that are visible."""
+    xla = plan_xla_launch(config, env)
+    if xla is not None:
+        return xla.world_size
     if gpus is None:
         gpus = 0 if config.use_cpu else visible_gpu_count(env)
     check_environment(config, gpus, _installed)

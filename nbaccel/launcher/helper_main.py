@@ -103,8 +103,9 @@ class Helper:
                     _signal_group(pid, message["signal"])
 
     def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
-        world_size = message["context"].world_size
-        self.wanted_spares = min(MAX_SPARES, max(self.wanted_spares, world_size))
+        # Processes this launch asks us for: its world size, or 1 for a torch_xla supervisor.
+        processes = message.get("processes", message["context"].world_size)
+        self.wanted_spares = min(MAX_SPARES, max(self.wanted_spares, processes))
         pid = self._hand_to_spare(message, fds)
         for fd in fds:
             os.close(fd)

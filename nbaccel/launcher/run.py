@@ -26,6 +26,7 @@ from typing import Any
 from nbaccel.config import Config
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import (
+    DeviceMemory,
     Event,
     FrameDecoder,
     LogLine,
@@ -41,6 +42,7 @@ from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.failures import Failure, build_error
 from nbaccel.launcher.helper import HelperProcess
 from nbaccel.launcher.output import LineSplitter, render
+from nbaccel.xla_plan import XlaPlan
 
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
 
@@ -70,11 +72,22 @@ class Run:
     (3, <RunState.SUCCEEDED: 'succeeded'>)
     """
 
-    def __init__(self, run_id: str, run_dir: Path, config: Config, world_size: int) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        run_dir: Path,
+        config: Config,
+        world_size: int,
+        xla: XlaPlan | None = None,
+    ) -> None:
         self.run_id = run_id
         self.run_dir = run_dir
         self.config = config
         self.world_size = world_size
+        # A torch_xla launch: one supervisor process stands for every rank (its exit is
+        # every rank's, a signal goes to its whole group). "TPU" or "CPU"; None otherwise.
+        self._xla = xla
+        self.xla_device = xla.device if xla else None
         self._state = RunState.PENDING
         self._subscribers: list[Subscriber] = []
         self._metrics: list[dict[str, Any]] = []
@@ -182,7 +195,9 @@ class Run:
         helper.subscribe(self.run_id, self._post)
         child_fds: list[int] = []
         try:
-            for request in requests:
+            if self._xla is not None:
+                self._start_supervisor(helper, requests, payload_fd)
+            for request in requests if self._xla is None else ():
                 rank = request["context"].rank
                 log_read, log_write = os.pipe()
                 event_read, event_write = os.pipe()
@@ -209,6 +224,28 @@ class Run:
         self._state = RunState.RUNNING
         self._emit(RunStarted(self.run_id, self.world_size, str(self.run_dir), time.time()))
         threading.Thread(target=self._pump, name=f"nbaccel-run-{self.run_id}", daemon=True).start()
+
+    def _start_supervisor(
+        self, helper: HelperProcess, requests: list[dict[str, Any]], payload_fd: int
+    ) -> None:
+        """One process for every rank: torch_xla starts the workers (xla_supervisor.py)."""
+        fds = [payload_fd]
+        try:
+            for request in requests:
+                rank = request["context"].rank
+                log_read, log_write = os.pipe()
+                event_read, event_write = os.pipe()
+                for fd in (log_read, event_read):
+                    os.set_blocking(fd, False)
+                log_file = open(self.run_dir / f"rank{rank}.log", "wb", buffering=0)
+                self._ranks.append(_Rank(rank, log_file, log_read, event_read))
+                fds += [log_write, event_write]
+            ranks = [{**request, "xla_plan": self._xla} for request in requests]
+            message = {**requests[0], "run": self.run_id, "rank": 0, "processes": 1}
+            helper.spawn({**message, "xla_plan": self._xla, "ranks": ranks}, fds)
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
 
     # ----- the pump thread --------------------------------------------------------
     def _post(self, message: dict[str, Any]) -> None:
@@ -280,6 +317,17 @@ class Run:
         if kind == "started":
             r.pid = message["pid"]
             self._emit(WorkerStarted(r.rank, message["pid"], message["time"]))
+        elif kind == "device_memory":  # torch_xla workers read their own device
+            self._emit(
+                DeviceMemory(
+                    r.rank,
+                    message["device"],
+                    message["used"],
+                    message["peak"],
+                    message["limit"],
+                    message["time"],
+                )
+            )
         elif kind == "model":
             self._emit(ModelPrepared(r.rank, message["num_params"], message["time"]))
         elif kind == "metric":
@@ -301,13 +349,20 @@ class Run:
         op = message["op"]
         if op == "stop":
             self._arbiter.cancel(time.monotonic())
+        elif op == "exited" and self._xla is not None:
+            # The supervisor is gone, and torch_xla's workers with it (same process group).
+            # Ranks that sent their value finished; for the others its status is theirs.
+            status = message["status"] or 1
+            for r in self._ranks:
+                self._on_exit(r, 0 if r.has_result else status, selector)
         elif op == "exited":
             self._on_exit(self._ranks[message["rank"]], message["status"], selector)
         elif op in ("spawn_failed", "helper_died"):
             rank = message.get("rank", 0)
             self._fail(Failure(rank, "error", 0.0, error=HelperError(message["error"])))
+            everyone = op == "helper_died" or self._xla is not None
             for r in self._ranks:
-                if r.exitcode is None and (op == "helper_died" or r.rank == message["rank"]):
+                if r.exitcode is None and (everyone or r.rank == message["rank"]):
                     self._on_exit(r, -int(signal.SIGKILL), selector)
 
     def _on_exit(self, r: _Rank, status: int, selector: selectors.BaseSelector) -> None:
@@ -331,7 +386,8 @@ class Run:
         everyone_exited = not live
         for signum, ranks in self._arbiter.due(time.monotonic(), live, everyone_exited):
             if self._helper is not None:
-                self._helper.signal(self.run_id, signum, ranks)
+                # torch_xla's workers share the supervisor's process group: all or none.
+                self._helper.signal(self.run_id, signum, ranks if self._xla is None else None)
 
     def _select_timeout(self) -> float | None:
         deadlines = [d for d in (self._arbiter.next_deadline(), self._drain_deadline) if d]

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -29,6 +30,7 @@ from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter
 from nbaccel.launcher import script
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
+from nbaccel.xla_plan import XlaPlan
 
 # Rank 0's TCPStore server: kept alive for the process's lifetime, reused by
 # init_process_group() through the multi-tenant store registry.
@@ -40,34 +42,66 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != helper_pid:  # the helper died between fork and prctl
         os._exit(1)
-    payload_fd, log_fd, events_fd, *listen = fds
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
+    # fds: payload, rank 0's log and events pipes, then rank 0's listening socket, or for
+    # a torch_xla launch (one supervisor for every rank) the other ranks' pipes.
+    payload_fd, log_fd, events_fd, *rest = fds
+    supervisor = "xla_plan" in request
+    # A supervisor writes into rank 0's log too, and hands that pipe on to rank 0's worker.
+    capture_output(os.dup(log_fd) if supervisor else log_fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    if supervisor:
+        from nbaccel.launcher.xla_supervisor import supervise
 
-    events = EventWriter(events_fd)
-    context: ProcessContext = request["context"]
-    events.send({"kind": "started", "pid": os.getpid(), "time": time.time()})
-    code = _run(context, events, payload_fd, listen[0] if listen else None)
+        code = supervise(request, [payload_fd, log_fd, events_fd, *rest])
+    else:
+        events = EventWriter(events_fd)
+        context: ProcessContext = request["context"]
+        events.send({"kind": "started", "pid": os.getpid(), "time": time.time()})
+        listen_fd = rest[0] if rest else None
+        code = run_payload(
+            context,
+            events,
+            payload_fd,
+            start=lambda config: _start_distributed(context, config, listen_fd),
+            finish=_finish_distributed,
+        )
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     flush_c_stdio()
     os._exit(code)
 
 
-def _run(
-    context: ProcessContext, events: EventWriter, payload_fd: int, listen_fd: int | None
+def capture_output(log_fd: int) -> None:
+    """Point fd 1 and 2 (C/C++ output included) at a rank's log pipe; dump stacks on SIGUSR1."""
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    # A C-level handler, so it works from torch_xla's device threads too (signal.signal
+    # would not): the arbiter's SIGUSR1 dumps every thread's stack for a hang report.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def run_payload(
+    context: ProcessContext,
+    events: EventWriter,
+    payload_fd: int,
+    start: Callable[[Config], None],
+    finish: Callable[[], None],
+    xla: XlaPlan | None = None,
 ) -> int:
+    """Load the payload, call the function, report its value or error; the exit code.
+
+    ``start`` readies torch.distributed once the config is known (gloo/nccl, or xla);
+    ``finish`` runs after the value was sent (a barrier that keeps rank 0's store up).
+    """
     try:
         payload = pickle.loads(_read_all(payload_fd))
         os.close(payload_fd)
@@ -75,9 +109,11 @@ def _run(
         for filename, lines in payload["sources"].items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         config: Config = payload["config"]
-        activate(WorkerSession(context=context, config=config, events=events))
+        threaded = xla is not None and xla.devices_per_process > 1  # ranks are threads
+        session = WorkerSession(context=context, config=config, events=events, xla=xla)
+        activate(session, per_thread=threaded)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        _start_distributed(context, config, listen_fd)
+        start(config)
         function, args, kwargs = pickle.loads(payload["function"])
         try:
             value = function(*args, **kwargs)
@@ -86,7 +122,7 @@ def _run(
                 raise
             value = None
         events.send({"kind": "result", "value": _dump_result(context.rank, value)})
-        _finish_distributed()
+        finish()
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
         events.send(error_message(error, context.rank))

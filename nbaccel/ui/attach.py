@@ -2,22 +2,26 @@
 
 ``attach_dashboard(run, ...)`` builds the model (labelled with the run's strategy and
 precision), the memory sampler for the run's devices, and the widgets; subscribes them to
-the run, shows them in the calling cell and starts their threads. ``dashboard_for(run)``
-finds that dashboard again (notebook tests read its widgets; ``Dashboard.model_ids`` names
-them in a saved notebook's widget state). Imported only when a dashboard is wanted.
+the run, shows them in the calling cell and starts their threads. On XLA the workers read
+their device memory themselves; a subscriber hands their ``DeviceMemory`` events to the
+sampler's source. ``dashboard_for(run)`` finds that dashboard again (notebook tests read
+its widgets; ``Dashboard.model_ids`` names them in a saved notebook's widget state).
+Imported only when a dashboard is wanted.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 
 from nbaccel.config import shown_ranks
+from nbaccel.events import DeviceMemory, Event
 from nbaccel.launcher.run import Run
 from nbaccel.ui.choose import in_kernel
 from nbaccel.ui.dashboard import Dashboard
 from nbaccel.ui.dashboard_model import DashboardModel
-from nbaccel.ui.memory import MemorySampler, memory_source
+from nbaccel.ui.memory import MemorySampler, ReportedMemory, memory_source
 
 _dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictionary()
 
@@ -38,9 +42,12 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
         strategy=run.config.strategy,
         pids=lambda: _pids(ref),
         env=os.environ,
+        xla_device=getattr(run, "xla_device", None),
     )
     # The sampler's callback finds the dashboard when it first runs (after the run starts).
     sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))
+    if isinstance(source, ReportedMemory):
+        run.subscribe(_reports_to(source, sampler))
     dashboard = Dashboard(
         DashboardModel.for_config(run.config, run.world_size),
         stop=None if blocking else lambda: _request_stop(ref),
@@ -58,6 +65,16 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
 def dashboard_for(run: Run) -> Dashboard | None:
     """The dashboard that a launch attached to ``run`` (None when it printed text)."""
     return _dashboards.get(run)
+
+
+def _reports_to(source: ReportedMemory, sampler: MemorySampler) -> Callable[[Event], None]:
+    """A run subscriber that hands workers' memory reports to ``source``."""
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, DeviceMemory) and source.post(event):
+            sampler.wake()  # a rank's first report: show it now, not at the next interval
+
+    return on_event
 
 
 def _pids(ref: weakref.ref[Run]) -> dict[int, int]:

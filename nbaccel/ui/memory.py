@@ -1,4 +1,5 @@
-"""Memory readings taken in the parent while a run goes: NVML per GPU, psutil per CPU worker.
+"""Memory readings taken in the parent while a run goes: NVML per GPU, psutil per CPU worker,
+and what XLA workers report about their devices (``DeviceMemory`` events).
 
 A daemon thread samples about once a second and hands the readings to a callback (the
 dashboard's queue). Nothing here runs in, or waits for, a worker: a reading costs the
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from nbaccel.events import DeviceMemory
 from nbaccel.ui.dashboard_model import MemoryReading
 
 Pids = Callable[[], Mapping[int, int]]
@@ -152,7 +154,7 @@ class NvmlMemory:
 
 
 class Unavailable:
-    """A source for devices the parent cannot read (XLA devices): every reading is "n/a".
+    """A source for devices nothing can read: every reading is "n/a".
 
     >>> Unavailable(["rank 0 (xla)"]).read()
     [MemoryReading(device='rank 0 (xla)', current=None, peak=None, limit=None)]
@@ -168,16 +170,78 @@ class Unavailable:
         pass
 
 
+class ReportedMemory:
+    """Device memory that the workers read themselves (XLA) and report as ``DeviceMemory``.
+
+    ``post`` (the run's pump thread) keeps each rank's latest report; ``read`` (the sampler's
+    thread) gives one reading per rank, "n/a" for a rank that has reported nothing, such as
+    the CPU XLA device, which cannot tell its memory. ``device``: the PJRT device ("TPU",
+    "CPU"), for the labels; None labels them "xla".
+
+    >>> from nbaccel.events import DeviceMemory
+    >>> source = ReportedMemory(2, "TPU")
+    >>> source.post(DeviceMemory(1, "xla:0", 2**30, 2**31, 2**34, 0.0))
+    True
+    >>> [(r.device, r.current, r.peak, r.limit) for r in source.read()]
+    [('rank 0 (TPU:0)', None, None, None), ('rank 1 (TPU:1)', 1073741824, 2147483648, 17179869184)]
+    """
+
+    def __init__(self, world_size: int, device: str | None = None) -> None:
+        self._world_size = world_size
+        self._device = device
+        self._latest: dict[int, DeviceMemory] = {}
+        self._lock = threading.Lock()
+
+    def label(self, rank: int) -> str:
+        """The bar's name for ``rank``: ``rank 0 (TPU:0)``, or ``rank 0 (xla)``."""
+        return f"rank {rank} ({self._device}:{rank})" if self._device else f"rank {rank} (xla)"
+
+    def post(self, event: DeviceMemory) -> bool:
+        """Keep ``event`` as its rank's reading (any thread); True for a rank's first report."""
+        with self._lock:
+            first = event.rank not in self._latest
+            self._latest[event.rank] = event
+        return first
+
+    def read(self) -> list[MemoryReading]:
+        with self._lock:
+            latest = dict(self._latest)
+        readings = []
+        for rank in sorted(set(range(self._world_size)) | set(latest)):
+            event = latest.get(rank)
+            if event is None:
+                readings.append(MemoryReading(self.label(rank), None, None, None))
+            else:
+                readings.append(
+                    MemoryReading(self.label(rank), event.used, event.peak, event.limit)
+                )
+        return readings
+
+    def close(self) -> None:
+        pass
+
+
 def memory_source(
-    *, world_size: int, gpus: int, strategy: str, pids: Pids, env: Mapping[str, str]
+    *,
+    world_size: int,
+    gpus: int,
+    strategy: str,
+    pids: Pids,
+    env: Mapping[str, str],
+    xla_device: str | None = None,
 ) -> MemorySource:
-    """The right source for a run: NVML when it uses GPUs, "n/a" for XLA, else psutil.
+    """The right source for a run: NVML when it uses GPUs, worker reports for XLA, else psutil.
+
+    ``xla_device``: the PJRT device ("TPU", "CPU") of a launch through torch_xla, else None.
 
     >>> memory_source(world_size=2, gpus=0, strategy="auto", pids=dict, env={}).read()
     []
+    >>> [r.device for r in memory_source(
+    ...     world_size=1, gpus=0, strategy="fsdp", pids=dict, env={}, xla_device="TPU").read()]
+    ['rank 0 (TPU:0)']
     """
-    if strategy == "xla":
-        return Unavailable([f"rank {rank} (xla)" for rank in range(world_size)])
+    if xla_device is not None or strategy == "xla":
+        return ReportedMemory(world_size, xla_device)
     processes = ProcessMemory(pids)
     if gpus:
         return NvmlMemory(min(gpus, world_size), env, fallback=processes)

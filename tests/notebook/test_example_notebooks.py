@@ -79,9 +79,17 @@ def test_committed_notebooks_have_no_outputs() -> None:
 def test_tpu_notebook_is_marked_and_says_what_it_needs() -> None:
     nb = nbformat.read(NOTEBOOKS / "06_colab_tpu.ipynb", as_version=4)
     assert _requirements(nb) == {"tpu"}  # so the run test skips it
-    intro = nb.cells[0].source
-    assert "not in nbaccel yet" in intro and "issue 7" in intro, intro
-    assert 'strategy="xla"' in "".join(cell.source for cell in nb.cells)
+    code = [cell.source for cell in nb.cells if cell.cell_type == "code"]
+    prose = "".join(cell.source for cell in nb.cells if cell.cell_type == "markdown")
+    assert "pip install" in code[0] and "!nbaccel env" in code
+    assert any(
+        'notebook_launcher(train, num_processes=None, mixed_precision="bf16")' in c for c in code
+    )
+    assert any('strategy="fsdp"' in c for c in code)  # FSDPv2: SPMD in one process
+    assert "cuda" not in "".join(code).lower()
+    for said in ("v5e", "torch_xla 2.9", "Python 3.13", "Kaggle", "torch_xla 2.8", "SPMD"):
+        assert said in prose, said
+    assert "do not touch the XLA device" in prose
 
 
 def test_binder_installs_the_torch_ci_tests() -> None:

@@ -1,4 +1,5 @@
-"""`nbaccel env`: TPU detection from a fake sysfs/dev tree, the report, and no torch import."""
+"""`nbaccel env`: TPU detection from a fake sysfs/dev tree, the report (with the XLA launch
+plan), and no torch import."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from nbaccel import cli_env
-from nbaccel.cli_env import collect_report, detect_tpu, format_report
+from nbaccel.cli_env import collect_report, format_report
+from nbaccel.devices import detect_tpu
 
 SECTIONS = ["Packages", "Devices", "Backends", "Config files", "Environment", "Warnings"]
 
@@ -115,6 +117,68 @@ def test_versions_backends_and_warnings_follow_the_installed_packages(
     assert "torch         not installed" in text and "pip install torch" in text
 
 
+def test_xla_entry_shows_the_plan_for_a_tpu_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli_env, "_version", {"torch": "2.9.0+cpu", "torch_xla": "2.9.0"}.get)
+    for index in range(8):
+        pci_device(tmp_path, f"0000:00:{index + 4:02x}.0", "0x1ae0", "0x0063")
+    report = collect_report({}, root=tmp_path)
+    xla = report["xla"]
+    assert xla["used"] and xla["error"] is None and xla["version_check"] == "ok"
+    assert xla["plan"]["device"] == "TPU" and xla["plan"]["world_size"] == 8
+    assert xla["plan"]["num_processes"] == 8 and xla["plan"]["start_method"] == "spawn"
+    assert report["warnings"] == []
+    assert "  XLA launch: 8 processes × 1 device on TPU (spawn)" in format_report(report)
+    json.dumps(report)
+
+
+def test_xla_entry_on_cpu_with_pjrt_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli_env, "_version", {"torch": "2.9.0", "torch_xla": "2.9.0"}.get)
+    report = collect_report({"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}, root=tmp_path)
+    assert report["xla"]["plan"]["devices_per_process"] == 4
+    assert "  XLA launch: 1 process × 4 devices on CPU (spawn)" in format_report(report)
+
+
+def test_xla_entry_not_used_without_tpu_or_pjrt_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli_env, "_version", {"torch": "2.13.0"}.get)
+    report = collect_report({}, root=tmp_path)
+    assert report["xla"] == {
+        "used": False,
+        "plan": None,
+        "error": None,
+        "version_check": "not installed",
+    }
+    assert report["warnings"] == []
+    assert "  XLA launch: not used (no TPU found, PJRT_DEVICE not set)" in format_report(report)
+
+
+def test_xla_problems_become_warnings_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    versions = {"torch": "2.9.0"}
+    monkeypatch.setattr(cli_env, "_version", versions.get)
+    report = collect_report({"PJRT_DEVICE": "TPU"}, root=tmp_path)
+    assert report["xla"]["used"] and report["xla"]["plan"] is None
+    assert report["warnings"] == [report["xla"]["error"]]
+    assert "needs torch_xla" in report["warnings"][0]
+    assert "pip install 'nbaccel[xla]'" in report["warnings"][0]
+    assert "  XLA launch: not possible (see Warnings)" in format_report(report)
+
+    versions["torch_xla"] = "2.9.0"
+    report = collect_report({"PJRT_DEVICE": "TPU"}, root=tmp_path)
+    assert "there is no TPU on this machine" in report["xla"]["error"]
+    assert report["warnings"] == [report["xla"]["error"]]
+
+    versions["torch"] = "2.13.0"  # the mismatch is warned about once, not twice
+    report = collect_report({"PJRT_DEVICE": "TPU"}, root=tmp_path)
+    assert report["xla"]["version_check"] == report["xla"]["error"]
+    assert report["warnings"] == [report["xla"]["error"]]
+    assert "undefined symbol" in report["warnings"][0]
+
+
 def test_gpu_names_come_from_nvml_when_it_imports(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,6 +234,7 @@ def test_cli_prints_the_report_as_json(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report) >= {"nbaccel", "python", "packages", "devices", "backends", "warnings"}
+    assert set(report["xla"]) == {"used", "plan", "error", "version_check"}
     assert report["python"]["executable"] == sys.executable
     try:
         torch_version: str | None = metadata.version("torch")

@@ -96,7 +96,6 @@ def test_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("config", "gpus", "installed", "fragment"),
     [
-        (Config(strategy="xla"), 0, set(), "needs torch_xla"),
         (Config(strategy="deepspeed"), 1, set(), "needs the deepspeed package"),
         (Config(strategy="deepspeed"), 0, {"deepspeed"}, "none is visible"),
     ],
@@ -106,7 +105,7 @@ def test_settings_this_machine_cannot_honour(
 ) -> None:
     with pytest.raises(nbaccel.ConfigError, match=fragment):
         api.check_environment(config, gpus, installed.__contains__)
-    api.check_environment(config, gpus or 1, {"torch_xla", "deepspeed"}.__contains__)
+    api.check_environment(config, gpus or 1, {"deepspeed"}.__contains__)
 
 
 def test_xla_without_torch_xla_fails_before_start(nothing_started: Path) -> None:
