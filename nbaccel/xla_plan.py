@@ -86,18 +86,22 @@ def uses_xla(config: Config, tpu: TPUInfo) -> bool:
     """Whether a launch with ``config`` goes through torch_xla on this machine.
 
     ``strategy='xla'`` always does; ``use_cpu`` never; ``auto`` and ``fsdp`` do when TPU chips
-    were found or ``PJRT_DEVICE`` is set (``PJRT_DEVICE=CPU`` runs torch_xla on the CPU);
-    ``ddp`` and ``deepspeed`` never do.
+    were found or ``PJRT_DEVICE`` is TPU or CPU (``PJRT_DEVICE=CPU`` runs torch_xla on the
+    CPU); ``ddp`` and ``deepspeed`` never do. Another PJRT device (CUDA, which torch_xla
+    writes into ``os.environ`` when imported on a GPU machine) leaves GPU launches as they are.
 
     >>> tpu = TPUInfo(chips=1, evidence=("/dev/vfio/0",), pjrt_device=None)
     >>> uses_xla(Config(), tpu), uses_xla(Config(strategy="ddp"), tpu)
     (True, False)
+    >>> uses_xla(Config(), TPUInfo(chips=0, evidence=(), pjrt_device="CUDA"))
+    False
     """
     if config.strategy == "xla":
         return True
-    if config.use_cpu:
+    if config.use_cpu or config.strategy not in ("auto", "fsdp"):
         return False
-    return config.strategy in ("auto", "fsdp") and tpu.xla_device is not None
+    asked = (tpu.pjrt_device or "").strip().upper().split("_")[0]
+    return bool(tpu.chips) or asked in ("TPU", "CPU")
 
 
 def check_versions(version_of: VersionOf = installed_version) -> str | None:

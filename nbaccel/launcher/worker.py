@@ -96,11 +96,13 @@ def run_payload(
     start: Callable[[Config], None],
     finish: Callable[[], None],
     xla: XlaPlan | None = None,
+    explain: Callable[[BaseException], str | None] = lambda error: None,
 ) -> int:
     """Load the payload, call the function, report its value or error; the exit code.
 
     ``start`` readies torch.distributed once the config is known (gloo/nccl, or xla);
-    ``finish`` runs after the value was sent (a barrier that keeps rank 0's store up).
+    ``finish`` runs after the value was sent (a barrier that keeps rank 0's store up);
+    ``explain`` may give a failure a note with the fix (kept: the exception keeps its type).
     """
     try:
         payload = pickle.loads(_read_all(payload_fd))
@@ -125,6 +127,9 @@ def run_payload(
         finish()
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
+        note = explain(error)
+        if note is not None and hasattr(error, "add_note"):  # Python 3.11+; travels pickled
+            error.add_note(note)
         events.send(error_message(error, context.rank))
         # sys.exit(n) keeps its code, as under torchrun; anything else exits with 1.
         code = getattr(error, "code", 1) if isinstance(error, SystemExit) else 1

@@ -27,7 +27,7 @@ from nbaccel.events import EventWriter
 from nbaccel.launcher import control
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.worker import capture_output, error_message, run_payload
-from nbaccel.xla_plan import XlaPlan
+from nbaccel.xla_plan import XlaPlan, explain_xla_failure
 
 _process_lock = threading.Lock()
 _process_ready = False
@@ -78,6 +78,7 @@ def _run_rank(
             start=lambda config: _start_group(plan, config),
             finish=lambda: None,
             xla=plan,
+            explain=lambda error: explain_xla_failure(str(error)),
         )
     finally:
         stop_memory()
