@@ -4,7 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint unit multiprocess notebook browser bench clean
+XLA_VENV ?= .venv-xla
+XLA_PY := $(XLA_VENV)/bin/python
+XLA_STAMP := $(XLA_VENV)/.installed-stamp
+
+.PHONY: demo test lint unit multiprocess notebook browser xla bench clean
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	python3 -m venv $(VENV)
@@ -13,10 +17,18 @@ $(STAMP): pyproject.toml requirements/ci.txt
 	$(PY) -m pip install --quiet -e '.[dev]' -r requirements/ci.txt
 	touch $(STAMP)
 
+# The torch_xla environment: torch 2.9 + torch_xla 2.9 (they must match), nbaccel from here.
+$(XLA_STAMP): pyproject.toml requirements/xla.txt
+	python3 -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install --quiet --upgrade pip
+	$(XLA_PY) -m pip install --quiet -r requirements/xla.txt
+	$(XLA_PY) -m pip install --quiet -e . -r requirements/xla.txt
+	touch $(XLA_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/nbaccel demo
 
-test: lint unit multiprocess notebook browser
+test: lint unit multiprocess notebook browser xla
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbaccel tests benchmarks
@@ -37,10 +49,15 @@ browser: $(STAMP)
 	.ci/install-browser
 	$(PY) -m pytest tests/browser
 
+# torch_xla on its CPU device: real launches (python - and notebooks), SPMD/FSDPv2, the
+# Accelerator on XLA. PJRT_DEVICE=CPU here; each test sets CPU_NUM_DEVICES for its workers.
+xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla
+
 bench: $(STAMP)
 	$(PY) benchmarks/launch_latency.py
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/sharding_memory.py
 
 clean:
-	rm -rf $(VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(XLA_VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache

@@ -2,11 +2,12 @@
 
 A thin facade: ``ProcessState`` says who this process is, ``Precision`` owns autocast and
 the loss scaler, ``models`` wraps modules (DDP, compile), ``data`` shards loaders,
-``optim`` makes optimizer and scheduler accumulation-aware, ``checkpoint`` saves and
-restores, ``trackers`` record ``log`` calls. Settings come from the launch that started
-this worker (``notebook_launcher(..., mixed_precision="bf16")``); explicit arguments win.
-Outside nbaccel (torchrun, a plain script) they come from ``NBACCEL_*`` / ``ACCELERATE_*``
-environment variables and the default config file, as in ``nbaccel.resolve``.
+``optim`` makes optimizer and scheduler accumulation-aware, ``checkpointing`` saves and
+restores, ``trackers`` record ``log`` calls; ``xla`` does these the XLA way on TPUs.
+Settings come from the launch that started this worker
+(``notebook_launcher(..., mixed_precision="bf16")``); explicit arguments win. Outside nbaccel
+(torchrun, a plain script) they come from ``NBACCEL_*`` / ``ACCELERATE_*`` environment
+variables and the default config file, as in ``nbaccel.resolve``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import contextlib
 import gc
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from nbaccel.accel import checkpoint, models, sharded_checkpoint, sharding
+from nbaccel.accel import models, sharding
+from nbaccel.accel.checkpointing import Checkpointing
 from nbaccel.accel.clipping import GradientClipping
 from nbaccel.accel.data import (
     PreparedDataLoader,
@@ -42,6 +43,7 @@ from nbaccel.accel.state import (
 )
 from nbaccel.accel.trackers import Tracker
 from nbaccel.accel.tracking import Tracking
+from nbaccel.accel.xla import XlaRuntime
 from nbaccel.config import Config
 from nbaccel.deepspeed_config import mixed_precision_of
 from nbaccel.metrics import report_model
@@ -52,7 +54,7 @@ _SCHEDULER_TYPES: tuple[type, ...] = (
 )
 
 
-class Accelerator(Tracking, GradientClipping):
+class Accelerator(Tracking, Checkpointing, GradientClipping):
     """Runs one training loop correctly on 1 process, N CPU processes or N GPUs.
 
     >>> import torch
@@ -102,6 +104,8 @@ class Accelerator(Tracking, GradientClipping):
             **{k: v for k, v in explicit.items() if v is not None}
         )
         self.state: ProcessState = detect_process_state(self.config)
+        xla = self.state.distributed_type is DistributedType.XLA
+        self._xla: XlaRuntime | None = XlaRuntime(self.state) if xla else None
         self.precision = Precision(
             self.config.mixed_precision,
             self.state.device,
@@ -185,20 +189,23 @@ class Accelerator(Tracking, GradientClipping):
     def _prepare_model(self, model: torch.nn.Module, placement: bool) -> torch.nn.Module:
         if self.is_main_process:  # for the dashboard's memory estimate
             report_model(sum(p.numel() for p in model.parameters()))
-        if self.distributed_type is DistributedType.FSDP:
+        prepared = model
+        if self._xla is not None:  # replicated on the device, or FSDPv2 under SPMD
+            prepared, swap = self._xla.prepare_model(model, self.precision, placement, self.config)
+            self._new_params |= swap
+        elif self.distributed_type is DistributedType.FSDP:
             self._new_params |= models.prepare_sharded_model(
                 model, self.state, self.precision, self.config.fsdp, self.config.dynamo_backend
             )
-            self._models.append(model)
-            return model
-        prepared = models.prepare_model(
-            model,
-            self.state,
-            self.precision,
-            device_placement=placement,
-            dynamo_backend=self.config.dynamo_backend,
-            ddp_kwargs=self.ddp_kwargs,
-        )
+        else:
+            prepared = models.prepare_model(
+                model,
+                self.state,
+                self.precision,
+                device_placement=placement,
+                dynamo_backend=self.config.dynamo_backend,
+                ddp_kwargs=self.ddp_kwargs,
+            )
         self._models.append(prepared)
         return prepared
 
@@ -210,7 +217,10 @@ class Accelerator(Tracking, GradientClipping):
             original, optimizer = optimizer, sharding.zero1_optimizer(optimizer)
             self._new_optimizers[id(original)] = optimizer
         clip = self._config_clip if self.config.max_grad_norm is not None else None
-        wrapped = AcceleratedOptimizer(optimizer, self.gradients, self.precision.scaler, clip)
+        hooks = self._xla.optimizer_hooks() if self._xla is not None else {}
+        wrapped = AcceleratedOptimizer(
+            optimizer, self.gradients, self.precision.scaler, clip, **hooks
+        )
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -235,8 +245,10 @@ class Accelerator(Tracking, GradientClipping):
             split_batches=self.split_batches,
         )
         device = self.device if placement else None
+        # XLA: batches move in torch_xla's background loader (MpDeviceLoader's engine).
+        stream = self._xla.device_stream if self._xla is not None and placement else None
         kind = PreparedIterableLoader if is_iterable_dataset(loader) else PreparedDataLoader
-        prepared = kind(loader, plan, device, self.gradients)
+        prepared = kind(loader, plan, None if stream else device, self.gradients, stream)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -244,6 +256,8 @@ class Accelerator(Tracking, GradientClipping):
         # Drawn from the global torch RNG (so torch.manual_seed makes it reproducible) on
         # rank 0 and broadcast: every rank must shuffle the same way for disjoint shards.
         seed = torch.randint(0, 2**62, (1,))
+        if self._xla is not None:
+            return int(self._xla.share(int(seed.item())))
         if self.use_distributed:
             # On the device: a group the user created with nccl alone cannot carry CPU tensors.
             seed = seed.to(self.device)
@@ -295,36 +309,7 @@ class Accelerator(Tracking, GradientClipping):
         """Autocast for the configured precision, for code outside the model's forward."""
         return self.precision.autocast(enabled)
 
-    # -- models and checkpoints -----------------------------------------------------------
-    def unwrap_model(
-        self,
-        model: torch.nn.Module,
-        keep_fp32_wrapper: bool = True,
-        keep_torch_compile: bool = True,
-    ) -> Any:
-        """The user's module without DDP; without torch.compile and the autocast forward too
-        when asked (Accelerate's defaults keep both, so training goes on unchanged)."""
-        if self._deepspeed is not None and model is self._deepspeed.engine:
-            return self._deepspeed.engine.module
-        return models.unwrap_model(
-            model, keep_autocast=keep_fp32_wrapper, keep_compile=keep_torch_compile
-        )
-
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str]) -> None:
-        """Write the consolidated weights to ``save_directory/model.safetensors`` (rank 0)."""
-        if self._deepspeed is not None:  # gathered from every rank's ZeRO partitions
-            self._deepspeed.save_model(save_directory)
-            self.wait_for_everyone()
-            return
-        inner = models.unwrap_model(model, keep_autocast=True)
-        if sharding.is_sharded(inner):  # gathered from every rank's shards, onto rank 0's CPU
-            weights = sharded_checkpoint.full_model_state(inner)
-            if self.is_main_process:
-                models.save_state_file(weights, Path(save_directory))
-        elif self.is_main_process:
-            models.save_model_file(inner, Path(save_directory))
-        self.wait_for_everyone()
-
+    # -- memory ----------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget everything prepared, collect garbage and empty the CUDA cache.
 
@@ -340,53 +325,6 @@ class Accelerator(Tracking, GradientClipping):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return [None for _ in objects]
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict``/``load_state_dict`` in save/load_state."""
-        for obj in objects:
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(
-                    f"register_for_checkpointing: {type(obj).__name__} has no state_dict() "
-                    "and load_state_dict(); only such objects can be checkpointed."
-                )
-        self._custom.extend(objects)
-
-    def _stateful(self) -> checkpoint.Stateful:
-        return checkpoint.Stateful(
-            models=[models.unwrap_model(m, keep_autocast=True) for m in self._models],
-            optimizers=self._optimizers,
-            schedulers=self._schedulers,
-            dataloaders=self._dataloaders,
-            scaler=self.precision.scaler,
-            custom=self._custom,
-            layout=self._checkpoint_layout(),
-            engine=self._deepspeed,
-        )
-
-    def _checkpoint_layout(self) -> str:
-        if self._deepspeed is not None:
-            return "deepspeed"
-        if self.config.strategy != "fsdp":
-            return "plain"
-        return "sharded" if self.config.fsdp.state_dict_type == "SHARDED_STATE_DICT" else "full"
-
-    def save_state(self, output_dir: str | os.PathLike[str]) -> Path:
-        """Save the whole training state atomically; every process must call it."""
-        return checkpoint.save_state(
-            output_dir,
-            self._stateful(),
-            rank=self.process_index,
-            world_size=self.num_processes,
-            progress={"step": self.step, "cycle": self.gradients.micro_steps_in_cycle},
-        )
-
-    def load_state(self, input_dir: str | os.PathLike[str]) -> None:
-        """Restore what ``save_state`` wrote, so training continues exactly."""
-        progress = checkpoint.load_state(
-            input_dir, self._stateful(), rank=self.process_index, world_size=self.num_processes
-        )
-        self.step = progress["step"]
-        self.gradients.micro_steps_in_cycle = progress["cycle"]
 
 
 def _kind(obj: Any, index: int) -> str:

@@ -5,7 +5,7 @@ Layout of a checkpoint folder ``ckpt/``::
     ckpt/LATEST                 the name of the complete state folder (replaced atomically)
     ckpt/state-<id>/meta.json   format, counts, step counters, dataloader positions
     ckpt/state-<id>/model_0.pt, optimizer_0.pt, scheduler_0.pt, scaler.pt, custom_0.pt
-    ckpt/state-<id>/random_states_<rank>.pt   python, numpy, torch and CUDA RNGs, per rank
+    ckpt/state-<id>/random_states_<rank>.pt   python, numpy, torch, CUDA and XLA RNGs, per rank
     ckpt/state-<id>/sharded/    FSDP's model and optimizer shards (DCP), instead of model_*.pt
 
 Model weights and optimizer state load onto any number of processes (sharded ones are
@@ -15,7 +15,8 @@ rank that did not exist when saving keeps its own random state.
 Every rank writes into ``ckpt/.partial-<id>``; after a barrier rank 0 renames it to
 ``state-<id>`` and only then points ``LATEST`` at it. A crash or a killed rank at any moment
 leaves ``LATEST`` naming the previous whole checkpoint. Loading reads and checks every
-file before it changes anything, with ``weights_only=True``.
+file before it changes anything, with ``weights_only=True``. On XLA devices (``DeviceHooks``)
+tensors are copied to the CPU before they are written, so checkpoints load anywhere.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import random
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,24 @@ _ACCELERATE_FILES = ("model.safetensors", "pytorch_model.bin", "optimizer.bin")
 
 
 @dataclass
+class DeviceHooks:
+    """How a device that torch.distributed does not drive (XLA) saves and agrees.
+
+    ``to_host`` copies device tensors to the CPU before ``torch.save``; ``barrier`` and
+    ``share`` (rank 0's string on every rank) replace the process group's; the device's own
+    random state is saved and restored per rank (and set back after saving, so the saving
+    run goes on as a loading one does); ``after_load`` runs before that state is restored.
+    """
+
+    to_host: Callable[[Any], Any]
+    barrier: Callable[[], None]
+    share: Callable[[str], str]
+    rng_state: Callable[[], Any]
+    set_rng_state: Callable[[Any], None]
+    after_load: Callable[[], None]
+
+
+@dataclass
 class Stateful:
     """The objects a checkpoint covers, in ``prepare`` order within each kind."""
 
@@ -60,6 +79,7 @@ class Stateful:
     # (nbaccel.accel.sharded_checkpoint), every rank taking part.
     layout: str = "plain"
     engine: Any = None  # layout "deepspeed": the DeepSpeedRun whose engine checkpoints itself
+    device: DeviceHooks | None = None  # XLA; None: torch.distributed and plain torch.save
 
     def counts(self) -> dict[str, int]:
         return {
@@ -82,7 +102,10 @@ def save_state(
 ) -> Path:
     """Write a checkpoint of ``objects`` under ``directory``; every rank must call it."""
     root = Path(directory)
-    name = _agree_on_name(root, rank)
+    hooks = objects.device
+    host = hooks.to_host if hooks is not None else _same
+    barrier = hooks.barrier if hooks is not None else _barrier
+    name = _agree_on_name(root, rank, hooks.share if hooks is not None else _broadcast)
     staging = root / f".partial-{name}"
     inner_optimizers = [getattr(o, "optimizer", o) for o in objects.optimizers]
     if objects.layout == "deepspeed":  # every rank writes its ZeRO partitions
@@ -96,16 +119,16 @@ def save_state(
             optimizer.consolidate_state_dict(to=0)
     if rank == 0 and objects.layout == "plain":
         for i, model in enumerate(objects.models):
-            torch.save(model.state_dict(), staging / f"model_{i}.pt")
+            torch.save(host(model.state_dict()), staging / f"model_{i}.pt")
         for i, optimizer in enumerate(objects.optimizers):
-            torch.save(optimizer.state_dict(), staging / f"optimizer_{i}.pt")
+            torch.save(host(optimizer.state_dict()), staging / f"optimizer_{i}.pt")
     if rank == 0:
         for i, scheduler in enumerate(objects.schedulers):
-            torch.save(scheduler.state_dict(), staging / f"scheduler_{i}.pt")
+            torch.save(host(scheduler.state_dict()), staging / f"scheduler_{i}.pt")
         if objects.scaler is not None:
             torch.save(objects.scaler.state_dict(), staging / "scaler.pt")
         for i, obj in enumerate(objects.custom):
-            torch.save(obj.state_dict(), staging / f"custom_{i}.pt")
+            torch.save(host(obj.state_dict()), staging / f"custom_{i}.pt")
         meta = {
             "format": FORMAT,
             "layout": objects.layout,
@@ -115,8 +138,11 @@ def save_state(
             "dataloaders": [loader.state_dict() for loader in objects.dataloaders],
         }
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    torch.save(rng_states(), staging / f"random_states_{rank}.pt")
-    _barrier()  # every rank's files are in the staging folder
+    randomness = rng_states()
+    if hooks is not None:
+        randomness["device"] = hooks.rng_state()
+    torch.save(randomness, staging / f"random_states_{rank}.pt")
+    barrier()  # every rank's files are in the staging folder
     final = root / f"state-{name}"
     if rank == 0:
         staging.rename(final)
@@ -126,20 +152,33 @@ def save_state(
         for old in root.glob("state-*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()  # nobody reads or saves again before the commit
+    barrier()  # nobody reads or saves again before the commit
+    if hooks is not None:
+        # XLA advances its seed at every graph cut (sync), and saving cut several after the
+        # seed was read: go on from the seed as saved, where a loading run goes on from.
+        hooks.set_rng_state(randomness["device"])
     return final
 
 
-def _agree_on_name(root: Path, rank: int) -> str:
-    names = [uuid.uuid4().hex[:12] if rank == 0 else ""]
+def _agree_on_name(root: Path, rank: int, share: Callable[[str], str]) -> str:
+    name = uuid.uuid4().hex[:12] if rank == 0 else ""
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".partial-*"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
-        (root / f".partial-{names[0]}").mkdir()
+        (root / f".partial-{name}").mkdir()
+    return share(name)
+
+
+def _broadcast(name: str) -> str:
+    names = [name]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(names, src=0)
     return names[0]
+
+
+def _same(state: Any) -> Any:
+    return state
 
 
 def _barrier() -> None:
@@ -204,8 +243,12 @@ def load_state(
     saved_world = int(meta.get("world_size", world_size))
     for loader, state in zip(objects.dataloaders, meta["dataloaders"], strict=True):
         loader.load_state_dict(state, saved_world_size=saved_world)
+    if objects.device is not None:
+        objects.device.after_load()  # before the seed is set: a cut advances XLA's seed
     if rngs is not None:  # absent when this run has more ranks than the saving one
         set_rng_states(rngs)
+        if objects.device is not None and "device" in rngs:
+            objects.device.set_rng_state(rngs["device"])
     return {name: int(value) for name, value in meta["progress"].items()}
 
 

@@ -2,7 +2,8 @@
 
 Clipping a partial accumulation sum is meaningless (and would unscale fp16 gradients twice),
 so every member does nothing while gradients accumulate. FSDP's gradients are DTensors
-(their norm is gathered to a plain tensor); DeepSpeed's engine clips by its own config.
+(their norm is gathered to a plain tensor); DeepSpeed's engine clips by its own config. XLA
+replicas all-reduce their gradients before clipping, so every replica clips the same sum.
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ class GradientClipping:
         torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
 
     def _mark_clipped(self) -> None:
+        for optimizer in self._optimizers:
+            optimizer.reduce_gradients()
         self.unscale_gradients()
         for optimizer in self._optimizers:
             optimizer.clipped = True
 
     def _config_clip(self, optimizer: AcceleratedOptimizer) -> None:
+        optimizer.reduce_gradients()
         optimizer.unscale_gradients()
         assert self.config.max_grad_norm is not None
         torch.nn.utils.clip_grad_norm_(list(optimizer.parameters()), self.config.max_grad_norm)

@@ -103,19 +103,28 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 
 
 def pad_across_processes(
-    data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+    data: Any,
+    dim: int = 0,
+    pad_index: int = 0,
+    pad_first: bool = False,
+    gather_sizes: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Any:
     """Pad each tensor along ``dim`` to the largest size any rank has, so it can be gathered.
+
+    Sizes are exchanged with ``gather_sizes`` (default: ``gather`` over torch.distributed,
+    when it has several ranks); without one there is nothing to pad to.
 
     >>> pad_across_processes(torch.ones(2)).shape
     torch.Size([2])
     """
+    if gather_sizes is None and _distributed():
+        gather_sizes = gather
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
-        if not _distributed() or tensor.dim() == 0 or dim >= tensor.dim():
+        if gather_sizes is None or tensor.dim() == 0 or dim >= tensor.dim():
             return tensor
         size = torch.tensor([tensor.shape[dim]], device=tensor.device)
-        longest = int(gather(size).max())
+        longest = int(gather_sizes(size).max())
         if longest == tensor.shape[dim]:
             return tensor
         shape = list(tensor.shape)

@@ -11,13 +11,17 @@ every rank takes the same number of steps (a rank short of a batch would hang th
 The position (epoch, batches consumed) is the loader's state: ``save_state`` stores it, and
 after ``load_state`` the next iteration skips the consumed batches by index, without loading
 them. Each epoch reshuffles without ``set_epoch``.
+
+On XLA devices a ``device_stream`` (``XlaRuntime.device_stream``) moves the batches in
+torch_xla's background loader instead; the position is still counted where the training
+loop takes each batch, not where the loader reads ahead.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +30,9 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.optim import GradientState
+
+# (batch, is the last, real samples of the last round) in, the same with batches on the device out
+DeviceStream = Callable[[Iterator[tuple[Any, bool, int]]], Iterator[tuple[Any, bool, int]]]
 
 
 @dataclass
@@ -173,6 +180,7 @@ class PreparedDataLoader(DataLoader[Any]):
         plan: ShardPlan,
         device: torch.device | None,
         gradients: GradientState,
+        device_stream: DeviceStream | None = None,
     ) -> None:
         source: Any = loader.batch_sampler
         if source is None:
@@ -183,6 +191,7 @@ class PreparedDataLoader(DataLoader[Any]):
         self.plan = plan
         self.gradients = gradients
         self.device = device
+        self.device_stream = device_stream
         self.original = loader
         generator = torch.Generator()
         generator.manual_seed(plan.seed)
@@ -279,12 +288,14 @@ class PreparedIterableLoader:
         plan: ShardPlan,
         device: torch.device | None,
         gradients: GradientState,
+        device_stream: DeviceStream | None = None,
     ) -> None:
         self.original = loader
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size
         self.plan = plan
         self.device = device
+        self.device_stream = device_stream
         self.gradients = gradients
         self.batches_consumed = 0
         self._resuming = False
@@ -320,6 +331,8 @@ def _hand_out(
     the loader's position and the gradient state (end of dataloader, remainder) current."""
     gradients = loader.gradients
     gradients.end_of_dataloader, gradients.remainder = False, -1
+    if loader.device_stream is not None:
+        batches = loader.device_stream(batches)
     for batch, last, remainder in batches:
         loader.batches_consumed += 1
         gradients.end_of_dataloader = last

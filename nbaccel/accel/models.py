@@ -1,8 +1,10 @@
 """Preparing a model: device, autocast forward, torch.compile, DDP or FSDP; and undoing it.
 
-``prepare_model`` returns what the training loop calls. ``unwrap_model`` peels DDP and
-torch.compile off again and restores the original ``forward``, so saved weights have
-no ``module.`` / ``_orig_mod.`` prefixes and an unwrapped model runs in full precision.
+``prepare_model`` returns what the training loop calls. ``unwrap_model`` peels DDP (and
+torch_xla's FSDPv2) and torch.compile off again and restores the original ``forward``, so
+saved weights have no ``module.`` / ``_orig_module.`` / ``_orig_mod.`` prefixes and an
+unwrapped model runs in full precision. XLA replicas get no DDP: ``nbaccel.accel.xla``
+all-reduces their gradients in the optimizer step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nbaccel.accel import sharding
 from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
-from nbaccel.accel.state import ProcessState
+from nbaccel.accel.state import DistributedType, ProcessState
 from nbaccel.config_sections import FSDPOptions
 
 # Marks a forward that prepare() wrapped in autocast; the original is kept on the wrapper.
@@ -43,7 +45,7 @@ def prepare_model(
         # Compile the module, then wrap it in DDP: torch.compile(DDP(...)) compiles nothing
         # for some models (pytorch#140416), DDP(torch.compile(...)) is the supported order.
         model = torch.compile(model, backend=dynamo_backend)  # type: ignore[assignment]
-    if state.use_distributed:
+    if state.use_distributed and state.distributed_type is not DistributedType.XLA:
         device_ids = [state.device.index] if state.device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
     return model
@@ -98,8 +100,8 @@ def unwrap_model(
     Restoring the forward changes the module that is being trained (it is the same object),
     as in Accelerate; checkpoints and save_model keep the autocast forward.
     """
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
+    while isinstance(model, DistributedDataParallel) or _is_xla_fsdp(model):
+        model = model.module  # type: ignore[assignment]  # DDP's, or FSDPv2's wrapped module
     inner = model
     while True:
         compiled = getattr(inner, "_orig_mod", None)  # torch.compile's OptimizedModule
@@ -110,6 +112,11 @@ def unwrap_model(
     if original is not None and not keep_autocast:
         inner.forward = original
     return model if keep_compile else inner
+
+
+def _is_xla_fsdp(model: torch.nn.Module) -> bool:
+    # By name: torch_xla is not importable everywhere, and importing it costs seconds.
+    return type(model).__name__ == "SpmdFullyShardedDataParallel" and hasattr(model, "module")
 
 
 def no_sync(model: torch.nn.Module) -> Any:

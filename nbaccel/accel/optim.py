@@ -3,7 +3,9 @@
 While gradients are being accumulated (``sync_gradients`` False) ``step`` and ``zero_grad``
 do nothing, so the plain loop ``backward; step; zero_grad`` accumulates. With fp16 the step
 goes through the GradScaler; a step it skips for inf/NaN gradients is recorded so that the
-scheduler skips too. The scheduler steps only after a real optimizer step.
+scheduler skips too. The scheduler steps only after a real optimizer step. On XLA devices
+the step first all-reduces the gradients (``reduce``, once per step, before any clipping)
+and is followed by ``after_step`` (a graph cut).
 """
 
 from __future__ import annotations
@@ -39,11 +41,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         gradients: GradientState,
         scaler: torch.amp.GradScaler | None,
         clip: Callable[[AcceleratedOptimizer], None] | None = None,
+        reduce: Callable[[torch.optim.Optimizer], None] | None = None,
+        after_step: Callable[[], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.gradients = gradients
         self.scaler = scaler
         self._clip = clip
+        self._reduce = reduce
+        self._after_step = after_step
+        self.reduced = False  # gradients all-reduced this step (XLA data parallel)
         self.step_was_skipped = False
         self.unscaled = False  # set when gradients were unscaled for clipping this step
         self.clipped = False
@@ -83,6 +90,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if not self.gradients.sync_gradients:
             return None
+        self.reduce_gradients()
         if self._clip is not None and not self.clipped:
             self._clip(self)  # the config's max_grad_norm, unless the user clipped already
         result = None
@@ -99,8 +107,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.scaler.update()
             # GradScaler lowers its scale exactly when it skipped the step for inf/NaN.
             self.step_was_skipped = self.scaler.get_scale() < scale
-        self.unscaled = self.clipped = False
+        self.unscaled = self.clipped = self.reduced = False
+        if self._after_step is not None:
+            self._after_step()
         return result
+
+    def reduce_gradients(self) -> None:
+        """All-reduce this step's gradients once, where no wrapper does it (XLA replicas)."""
+        if self._reduce is not None and not self.reduced:
+            self._reduce(self.optimizer)
+        self.reduced = True
 
     def unscale_gradients(self) -> None:
         """Unscale this optimizer's gradients once per step (before clipping)."""

@@ -209,18 +209,32 @@ def _mesh(strategy: str, state: ProcessState) -> DeviceMesh:
 def retarget_optimizer(
     optimizer: torch.optim.Optimizer, swap: dict[int, torch.nn.Parameter]
 ) -> None:
-    """Point an optimizer built before ``prepare`` at the sharded parameters."""
-    if not any(id(p) in swap for group in optimizer.param_groups for p in group["params"]):
+    """Point an optimizer built before ``prepare`` at the sharded (or XLA) parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(_replacement(p, swap) is not None for p in params):
         return
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError(
             "prepare(): this optimizer has already stepped, so its state belongs to the "
-            "unsharded parameters FSDP just replaced. Create the optimizer without stepping "
+            "parameters prepare() just replaced (FSDP shards them; on XLA devices they move "
+            "to the device as new parameters). Create the optimizer without stepping "
             "it before prepare(), or create it after prepare(model)."
         )
     for group in optimizer.param_groups:
-        group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        replaced = [(p, _replacement(p, swap)) for p in group["params"]]
+        group["params"] = [p if new is None else new for p, new in replaced]
     optimizer.state.clear()
+
+
+def _replacement(
+    param: torch.nn.Parameter, swap: dict[int, torch.nn.Parameter]
+) -> torch.nn.Parameter | None:
+    # Keyed by id: once an old parameter is freed, a new one may reuse its id. A parameter of
+    # the replacing kind (a DTensor, or on the XLA device) is never an old one.
+    new = swap.get(id(param))
+    if new is None or new is param:
+        return None
+    return None if type(new) is type(param) and new.device == param.device else new
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -4,6 +4,7 @@ Three sources, in order: the nbaccel launch this worker belongs to (its ``Proces
 the torch.distributed environment a launcher such as torchrun set (``RANK``, ``WORLD_SIZE``,
 ...), and otherwise one process. With more than one process the default process group is
 initialised here when the launcher has not done it (``init_process_group=False``, torchrun).
+Processes that train through torch_xla (TPUs) get their state from ``nbaccel.accel.xla``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nbaccel.config import Config
 from nbaccel.context import active_session
-from nbaccel.errors import ConfigError
+from nbaccel.devices import detect_tpu
 from nbaccel.resolve import resolve
+from nbaccel.xla_plan import uses_xla
 
 
 class DistributedType(str, enum.Enum):
@@ -82,6 +85,10 @@ def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -
     """Build the ProcessState for ``config``, initialising torch.distributed when needed."""
     env = os.environ if env is None else env
     session = active_session()
+    if uses_xla_here(config, env):
+        from nbaccel.accel import xla  # imports torch_xla: only when XLA is really used
+
+        return xla.detect_xla_state(config)
     if session is not None:
         ctx = session.context
         rank, local_rank, world, local_world = (
@@ -121,6 +128,16 @@ def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -
     )
 
 
+def uses_xla_here(config: Config, env: Mapping[str, str]) -> bool:
+    """Whether this process trains through torch_xla: as its launch planned it (nbaccel's
+    XLA launch sets the session's plan), else as nbaccel would plan a launch here (TPU
+    chips found, ``PJRT_DEVICE`` set, or ``strategy='xla'``)."""
+    session = active_session()
+    if session is not None:
+        return session.xla is not None
+    return uses_xla(config, detect_tpu(Path("/"), env))
+
+
 def _destroy_group_if_alive() -> None:
     # FACTS.md: destroying alone still aborted some runs; collecting dead wrappers and
     # meeting at a barrier first (so no peer closes its sockets mid-teardown) did not.
@@ -135,14 +152,6 @@ def _destroy_group_if_alive() -> None:
 
 
 def _distributed_type(config: Config, world: int, use_cuda: bool) -> DistributedType:
-    if config.strategy == "xla":
-        # TPUs come with their own engine; until it lands the Accelerator must refuse
-        # rather than silently train somewhere else.
-        raise ConfigError(
-            "strategy='xla' is not supported by nbaccel's Accelerator yet: it would train "
-            "without the TPU you asked for. Use strategy='ddp' (or 'auto').",
-            field="strategy",
-        )
     if config.strategy == "deepspeed":
         return DistributedType.DEEPSPEED
     if config.strategy == "fsdp":
