@@ -196,3 +196,42 @@ def test_a_rank_error_stops_the_whole_supervisor_group(tmp_path: Path) -> None:
     assert deadline_signals and deadline_signals[0] == (signal.SIGTERM, None)
     with pytest.raises(KeyError, match=r"\[rank 1\]"):
         run.result()
+
+
+def read_events(fd: int) -> list[dict[str, Any]]:
+    from nbaccel.events import FrameDecoder
+
+    data = b""
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    return list(FrameDecoder().feed(data))
+
+
+def test_a_busy_chip_at_start_up_is_reported_on_rank_0_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nbaccel.launcher import xla_supervisor
+
+    def chip_held(plan: XlaPlan, address: str) -> None:
+        raise RuntimeError(
+            "Failed to get global TPU topology: open(/dev/vfio/0): Device or resource busy"
+        )
+
+    monkeypatch.setattr(xla_supervisor, "_launch", chip_held)
+    pipes = [os.pipe() for _ in range(4)]  # (log, events) for ranks 0 and 1
+    payload_r, payload_w = os.pipe()
+    plan = XlaPlan(device="TPU", num_processes=2, devices_per_process=1)
+    requests: list[dict[str, Any]] = [{"rank": r} for r in (0, 1)]
+    fds = [payload_r] + [w for _, w in pipes]
+    code = xla_supervisor.supervise({"xla_plan": plan, "ranks": requests}, fds)
+    for fd in [*fds, payload_w]:
+        os.close(fd)
+    assert code == 1
+    events = [read_events(r) for r, _ in pipes[1::2]]
+    for r, _ in pipes[0::2]:
+        os.close(r)
+    [error] = events[0]  # rank 0 (the first rank that had not finished) carries it
+    assert events[1] == []  # the others end as the supervisor's exit, not as culprits
+    assert error["kind"] == "error" and error["rank"] == 0
+    assert "another process" in error["message"].lower() and "lsof" in error["message"]
+    assert "Device or resource busy" in error["message"]  # torch_xla's own words kept

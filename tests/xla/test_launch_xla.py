@@ -108,9 +108,16 @@ try:
     error = None
 except ValueError as exc:
     error = {"message": str(exc), "cause": type(exc.__cause__).__name__}
-print("RESULT " + json.dumps({"xla": xla, "cpu": cpu, "error": error}), flush=True)
-import torch_xla.runtime as xr
-print("KERNEL_RUNTIME_CLEAN", not __import__("torch_xla")._XLAC._xla_runtime_is_initialized())
+import torch_xla
+clean = not torch_xla._XLAC._xla_runtime_is_initialized()  # the session never started XLA
+torch_xla.device()  # now it has: a further launch must be refused, before it starts
+try:
+    nbaccel.notebook_launcher(train, args=(1,))
+    guard = None
+except nbaccel.ConfigError as exc:
+    guard = str(exc)
+print("RESULT " + json.dumps({"xla": xla, "cpu": cpu, "error": error, "clean": clean,
+                              "guard": guard}), flush=True)
 """,
         tmp_path,
     )
@@ -123,7 +130,8 @@ print("KERNEL_RUNTIME_CLEAN", not __import__("torch_xla")._XLAC._xla_runtime_is_
     # The worker's own exception type comes back, naming the rank, with its traceback.
     assert result["error"]["message"].startswith("[rank 0] bad batch 3 on xla:0")
     assert result["error"]["cause"] == "RemoteTraceback"
-    assert "KERNEL_RUNTIME_CLEAN True" in out  # the session itself never started XLA
+    assert result["clean"] is True
+    assert "already" in result["guard"] and "restart" in result["guard"].lower()
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
