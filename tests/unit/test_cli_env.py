@@ -16,22 +16,9 @@ import pytest
 from nbaccel import cli_env
 from nbaccel.cli_env import collect_report, format_report
 from nbaccel.devices import detect_tpu
+from tests.unit.fake_hosts import dev_entries, pci_device
 
 SECTIONS = ["Packages", "Devices", "Backends", "Config files", "Environment", "Warnings"]
-
-
-def pci_device(root: Path, address: str, vendor: str, device: str) -> None:
-    folder = root / "sys" / "bus" / "pci" / "devices" / address
-    folder.mkdir(parents=True)
-    (folder / "vendor").write_text(vendor + "\n")
-    (folder / "device").write_text(device + "\n")
-
-
-def dev_entries(root: Path, *names: str) -> None:
-    for name in names:
-        path = root / "dev" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
 
 
 def torch_modules() -> set[str]:

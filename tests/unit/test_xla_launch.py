@@ -11,11 +11,9 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 import nbaccel
@@ -26,43 +24,20 @@ from nbaccel.launcher import api
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.worker import error_message
 from nbaccel.xla_plan import XlaPlan
+from tests.unit.fake_hosts import tpu_host
 
 
 def train() -> int:
     return 1
 
 
-@pytest.fixture
-def nothing_started(tmp_path: Path) -> Iterator[Path]:
-    me = psutil.Process()
-    children, fds = {p.pid for p in me.children(recursive=True)}, me.num_fds()
-    runs = tmp_path / "runs"
-    yield runs
-    assert not runs.exists()
-    assert {p.pid for p in me.children(recursive=True)} <= children
-    assert me.num_fds() == fds
-
-
-def fake_tpu_host(root: Path, chips: int, device_id: str = "0x0063") -> Path:
-    """A sysfs + /dev tree like a TPU v5e VM's (PCI vendor 0x1ae0, /dev/vfio/N)."""
-    for n in range(chips):
-        pci = root / "sys" / "bus" / "pci" / "devices" / f"0000:00:0{n + 4}.0"
-        pci.mkdir(parents=True)
-        (pci / "vendor").write_text("0x1ae0\n")
-        (pci / "device").write_text(f"{device_id}\n")
-        vfio = root / "dev" / "vfio"
-        vfio.mkdir(parents=True, exist_ok=True)
-        (vfio / str(n)).touch()
-    return root
-
-
 def test_plain_machines_and_explicit_strategies_never_go_through_torch_xla(
     tmp_path: Path,
 ) -> None:
     assert api.plan_xla_launch(Config(), {}, root=tmp_path) is None
-    tpu_host = fake_tpu_host(tmp_path / "tpu", 8)
-    assert api.plan_xla_launch(Config(use_cpu=True), {}, root=tpu_host) is None
-    assert api.plan_xla_launch(Config(strategy="ddp"), {}, root=tpu_host) is None
+    v5e_8 = tpu_host(tmp_path / "tpu", 8)
+    assert api.plan_xla_launch(Config(use_cpu=True), {}, root=v5e_8) is None
+    assert api.plan_xla_launch(Config(strategy="ddp"), {}, root=v5e_8) is None
 
 
 def test_a_tpu_host_without_torch_xla_is_refused_before_anything_starts(
@@ -71,7 +46,7 @@ def test_a_tpu_host_without_torch_xla_is_refused_before_anything_starts(
     if api._installed("torch_xla"):
         pytest.skip("torch_xla is installed here")
     with pytest.raises(nbaccel.ConfigError, match="needs torch_xla") as caught:
-        api.plan_xla_launch(Config(), {}, root=fake_tpu_host(tmp_path / "tpu", 1))
+        api.plan_xla_launch(Config(), {}, root=tpu_host(tmp_path / "tpu", 1))
     assert "pip install" in str(caught.value)
 
 

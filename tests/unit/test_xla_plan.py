@@ -21,30 +21,14 @@ from nbaccel.xla_plan import (
     uses_xla,
     xla_worker_env,
 )
+from tests.unit.fake_hosts import dev_entries, tpu_host
 
 MATCHING = {"torch": "2.9.0+cpu", "torch_xla": "2.9.0"}
 
 
-def pci_device(root: Path, address: str, vendor: str, device: str) -> None:
-    folder = root / "sys" / "bus" / "pci" / "devices" / address
-    folder.mkdir(parents=True)
-    (folder / "vendor").write_text(vendor + "\n")
-    (folder / "device").write_text(device + "\n")
-
-
-def dev_entries(root: Path, *names: str) -> None:
-    for name in names:
-        path = root / "dev" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
-
-
 def tpu_machine(root: Path, chips: int, device_id: str = "0x0063") -> TPUInfo:
-    """A TPU VM as sysfs and /dev show it: PCI entries plus /dev/vfio (v4+) or /dev/accel."""
-    for index in range(chips):
-        pci_device(root, f"0000:00:{index + 4:02x}.0", "0x1ae0", device_id)
-        dev_entries(root, f"accel{index}" if device_id == "0x0027" else f"vfio/{index}")
-    return detect_tpu(root, {})
+    """What detect_tpu finds on a fake TPU VM (see fake_hosts.tpu_host)."""
+    return detect_tpu(tpu_host(root, chips, device_id), {})
 
 
 def fake_torch_xla(initialized: bool) -> types.ModuleType:

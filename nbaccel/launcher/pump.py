@@ -1,0 +1,310 @@
+"""The pump thread of a ``Run``: every rank's output and events, exits, failures, the end.
+
+The pump thread alone owns the run's state. It reads every rank's output pipe and event
+pipe, takes exit codes from the helper through an inbox, decides which rank failed first,
+stops the others (SIGTERM, then SIGKILL; SIGINT first for a user's stop), and ends when
+every worker is reaped and its pipes are drained (or a short drain deadline passes, since
+grandchildren may hold a pipe open). Subscribers get events on the pump thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import selectors
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbaccel.config import Config
+from nbaccel.errors import HelperError
+from nbaccel.events import (
+    DeviceMemory,
+    Event,
+    FrameDecoder,
+    LogLine,
+    Metric,
+    ModelPrepared,
+    RankExited,
+    RunEnded,
+    RunState,
+    WorkerStarted,
+)
+from nbaccel.launcher.arbiter import Arbiter
+from nbaccel.launcher.failures import Failure, build_error
+from nbaccel.launcher.helper import HelperProcess
+from nbaccel.launcher.output import LineSplitter
+from nbaccel.xla_plan import XlaPlan
+
+DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
+
+Subscriber = Callable[[Event], None]
+
+
+@dataclass
+class RankPipes:
+    """One rank's output and event pipes, as the pump reads them."""
+
+    rank: int
+    log_file: Any
+    log_fd: int
+    event_fd: int
+    splitter: LineSplitter = field(default_factory=LineSplitter)
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    exitcode: int | None = None
+    pid: int | None = None  # reported by the worker when it starts
+    result: bytes | None = None
+    has_result: bool = False
+
+
+class RunPump:
+    """The pump thread's half of ``Run`` (its state is set up by ``Run.__init__``)."""
+
+    run_id: str
+    run_dir: Path
+    config: Config
+    world_size: int
+    _xla: XlaPlan | None
+    _state: RunState
+    _subscribers: list[Subscriber]
+    _metrics: list[dict[str, Any]]
+    _metrics_lock: threading.Lock
+    _done: threading.Event
+    _inbox: queue.SimpleQueue[dict[str, Any]]
+    _wake_read: int
+    _wake_write: int
+    _wake_lock: threading.Lock
+    _ranks: list[RankPipes]
+    _arbiter: Arbiter
+    _drain_deadline: float | None
+    _error: BaseException | None
+    _started: float
+    _helper: HelperProcess | None
+    _events_file: Any
+
+    def logs(self, rank: int = 0) -> str:
+        raise NotImplementedError  # Run's: a finished run names its stuck ranks' last lines
+
+    def _open_rank(self, rank: int) -> tuple[int, int]:
+        """A rank's log file and pipes; the write ends (log, events) for its worker."""
+        log_read, log_write = os.pipe()
+        event_read, event_write = os.pipe()
+        for fd in (log_read, event_read):
+            os.set_blocking(fd, False)
+        log_file = open(self.run_dir / f"rank{rank}.log", "wb", buffering=0)
+        self._ranks.append(RankPipes(rank, log_file, log_read, event_read))
+        return log_write, event_write
+
+    # ----- the pump thread --------------------------------------------------------
+    def _post(self, message: dict[str, Any]) -> None:
+        """Hand a message to the pump thread (from the helper reader or the user's thread)."""
+        with self._wake_lock:
+            if self._wake_write == -1:
+                return  # the run has ended
+            self._inbox.put(message)
+            try:
+                os.write(self._wake_write, b"\0")
+            except BlockingIOError:
+                pass  # already woken
+
+    def _pump(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_read, selectors.EVENT_READ, None)
+        for r in self._ranks:
+            selector.register(r.log_fd, selectors.EVENT_READ, (r, "log"))
+            selector.register(r.event_fd, selectors.EVENT_READ, (r, "events"))
+        try:
+            while not self._finished():
+                for key, _ in selector.select(self._select_timeout()):
+                    if key.data is None:
+                        os.read(self._wake_read, 4096)
+                    else:
+                        self._read(selector, *key.data)
+                while not self._inbox.empty():
+                    self._handle(self._inbox.get(), selector)
+                if self._events_file is not None:
+                    self._events_file.flush()
+                self._tick()
+        finally:
+            selector.close()
+            self._finalize()
+
+    def _read(self, selector: selectors.BaseSelector, r: RankPipes, kind: str) -> bool:
+        """Read one chunk from a rank's pipe; False when nothing was there or it closed."""
+        fd = r.log_fd if kind == "log" else r.event_fd
+        if fd == -1:
+            return False
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        if not data:
+            selector.unregister(fd)
+            os.close(fd)
+            if kind == "log":
+                r.log_fd = -1
+                self._emit_lines(r, r.splitter.close())
+            else:
+                r.event_fd = -1
+            return False
+        if kind == "log":
+            r.log_file.write(data)
+            self._emit_lines(r, r.splitter.feed(data))
+        else:
+            for message in r.decoder.feed(data):
+                self._on_worker_message(r, message)
+        return True
+
+    def _emit_lines(self, r: RankPipes, lines: list[tuple[str, bool, bool]]) -> None:
+        now = time.time()
+        for text, replace, partial in lines:
+            self._emit(LogLine(r.rank, text, replace, partial, now))
+
+    def _on_worker_message(self, r: RankPipes, message: dict[str, Any]) -> None:
+        kind = message["kind"]
+        if kind == "started":
+            r.pid = message["pid"]
+            self._emit(WorkerStarted(r.rank, message["pid"], message["time"]))
+        elif kind == "device_memory":  # torch_xla workers read their own device
+            self._emit(
+                DeviceMemory(
+                    r.rank,
+                    message["device"],
+                    message["used"],
+                    message["peak"],
+                    message["limit"],
+                    message["time"],
+                )
+            )
+        elif kind == "model":
+            self._emit(ModelPrepared(r.rank, message["num_params"], message["time"]))
+        elif kind == "metric":
+            event = Metric(r.rank, message["step"], message["values"], message["time"])
+            if r.rank == 0:
+                with self._metrics_lock:
+                    self._metrics.append({**message["values"], "step": message["step"]})
+            self._record(
+                {"event": "metric", "rank": r.rank, "step": message["step"], **message["values"]}
+            )
+            self._emit(event)
+        elif kind == "result":
+            r.result, r.has_result = message["value"], True
+            (self.run_dir / f"result-rank{r.rank}.pkl").write_bytes(message["value"])
+        elif kind == "error":
+            self._fail(Failure(r.rank, message["cause"], message["time"], report=message))
+
+    def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
+        op = message["op"]
+        if op == "stop":
+            self._arbiter.cancel(time.monotonic())
+        elif op == "exited" and self._xla is not None:
+            # The supervisor is gone, and torch_xla's workers with it (same process group).
+            # Ranks that sent their value finished; for the others its status is theirs.
+            status = message["status"] or 1
+            for r in self._ranks:
+                self._on_exit(r, 0 if r.has_result else status, selector)
+        elif op == "exited":
+            self._on_exit(self._ranks[message["rank"]], message["status"], selector)
+        elif op in ("spawn_failed", "helper_died"):
+            rank = message.get("rank", 0)
+            self._fail(Failure(rank, "error", 0.0, error=HelperError(message["error"])))
+            everyone = op == "helper_died" or self._xla is not None
+            for r in self._ranks:
+                if r.exitcode is None and (everyone or r.rank == message["rank"]):
+                    self._on_exit(r, -int(signal.SIGKILL), selector)
+
+    def _on_exit(self, r: RankPipes, status: int, selector: selectors.BaseSelector) -> None:
+        # The worker is gone, so everything it wrote is already in its event pipe: read it
+        # first, or an exit could overtake the result or the error it reported.
+        while self._read(selector, r, "events"):
+            pass
+        r.exitcode = status
+        self._record({"event": "exited", "rank": r.rank, "exitcode": status})
+        self._emit(RankExited(r.rank, status, time.time()))
+        if not r.has_result and not self._arbiter.cancelled:
+            self._fail(Failure(r.rank, "exit", time.time(), exitcode=status))
+        if all(x.exitcode is not None for x in self._ranks):
+            self._drain_deadline = time.monotonic() + DRAIN_SECONDS
+
+    def _fail(self, failure: Failure) -> None:
+        self._arbiter.fail(failure, time.monotonic())
+
+    def _tick(self) -> None:
+        live = [r.rank for r in self._ranks if r.exitcode is None]
+        everyone_exited = not live
+        for signum, ranks in self._arbiter.due(time.monotonic(), live, everyone_exited):
+            if self._helper is not None:
+                # torch_xla's workers share the supervisor's process group: all or none.
+                self._helper.signal(self.run_id, signum, ranks if self._xla is None else None)
+
+    def _select_timeout(self) -> float | None:
+        deadlines = [d for d in (self._arbiter.next_deadline(), self._drain_deadline) if d]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _finished(self) -> bool:
+        if any(r.exitcode is None for r in self._ranks):
+            return False
+        pipes_open = any(r.log_fd != -1 or r.event_fd != -1 for r in self._ranks)
+        return not pipes_open or (
+            self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
+        )
+
+    def _finalize(self) -> None:
+        culprit, stuck = self._arbiter.final_culprit(), self._arbiter.stuck
+        if culprit is not None:
+            stuck_logs = {r: "\n".join(self.logs(r).splitlines()[-20:]) for r in stuck}
+            self._error = build_error(
+                culprit,
+                world_size=self.world_size,
+                collective_timeout=self.config.collective_timeout,
+                stuck_ranks=stuck,
+                stuck_logs=stuck_logs,
+            )
+            state = RunState.FAILED
+        elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks):
+            state = RunState.CANCELLED
+        else:
+            state = RunState.SUCCEEDED
+        for r in self._ranks:
+            if r.log_fd != -1:
+                self._emit_lines(r, r.splitter.close())
+        self._record({"event": "ended", "state": state.value})
+        self._close_everything()
+        self._state = state
+        self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
+        self._done.set()
+
+    def _close_everything(self) -> None:
+        if self._helper is not None:
+            self._helper.unsubscribe(self.run_id)
+        for r in self._ranks:
+            for fd in (r.log_fd, r.event_fd):
+                if fd != -1:
+                    os.close(fd)
+            r.log_fd = r.event_fd = -1
+            r.log_file.close()
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None
+        with self._wake_lock:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_read = self._wake_write = -1
+
+    # ----- helpers ----------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        for subscriber in self._subscribers:
+            try:
+                subscriber(event)
+            except Exception as error:  # noqa: BLE001 - a broken display must not stop the run
+                print(f"nbaccel: a run subscriber failed: {error!r}", file=sys.__stderr__)
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        if self._events_file is not None:
+            self._events_file.write(json.dumps({"time": time.time(), **entry}) + "\n")
