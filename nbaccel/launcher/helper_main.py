@@ -82,13 +82,19 @@ class Helper:
                 self.handle(message, fds)
 
     def warm_up(self) -> None:
-        """Import WARM_LATER, then retire the spares forked without it."""
+        """Import WARM_LATER (and torch_xla where launches use it), then retire the spares
+        forked without them."""
         self.warmed = True
-        for module in WARM_LATER:
+        for module in WARM_LATER + (("torch_xla",) if _xla_machine() else ()):
+            env = dict(os.environ)
             try:
                 __import__(module)
             except Exception:  # noqa: BLE001 - workers import it themselves and report errors
                 pass
+            # torch_xla writes PJRT_DEVICE, XLA_FLAGS, ... on import: workers get the
+            # launch's environment, never ours, so keep ours as it was.
+            os.environ.clear()
+            os.environ.update(env)
         for _, channel in self.spares:
             channel.close()  # the spare reads EOF and exits; reap() collects it
         self.spares.clear()
@@ -211,6 +217,19 @@ class Helper:
                 os.wait()
             except ChildProcessError:
                 break
+
+
+def _xla_machine() -> bool:
+    """Whether launches here go through torch_xla (a TPU, or PJRT_DEVICE set) with a
+    torch_xla that can be imported: then each launch's supervisor, forked from us, finds it
+    imported (2-4 s saved per launch; the import starts no thread, so forking stays safe)."""
+    from pathlib import Path
+
+    from nbaccel.devices import detect_tpu
+    from nbaccel.xla_plan import check_versions
+
+    tpu = detect_tpu(Path("/"), os.environ)
+    return bool(tpu.chips or os.environ.get("PJRT_DEVICE")) and check_versions() is None
 
 
 def _ids(message: dict[str, Any]) -> dict[str, Any]:
