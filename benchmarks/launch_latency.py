@@ -49,13 +49,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
-import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +60,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench_util import median, progress, run_command, seconds, tail, verdict
 
 SCRIPT = str(Path(__file__).resolve())
 WAYS = ("nbaccel", "fork", "spawn", "torchrun", "accelerate")
@@ -130,37 +129,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def run_command(
-    command: list[str], timeout: float, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run a command in its own session; on timeout kill its whole process group."""
-    with subprocess.Popen(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def tail(text: str, lines: int = 8) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 # --------------------------------------------------------------------------- launchers
@@ -352,10 +320,6 @@ def probe_import_torch() -> dict[str, float]:
     return {"statement": float(done.stdout.split()[-1]), "process": wall}
 
 
-def progress(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def collect(ways: list[str], repeats: int, first_repeats: int) -> dict[str, Any]:
     """Every measurement of one benchmark run (raw samples, by way)."""
     data: dict[str, Any] = {"import_torch": [], "reports": {}}
@@ -421,10 +385,6 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
 def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
     base = rows.get("nbaccel later", {}).get("whole")
     lines = [
@@ -452,10 +412,6 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         for error in row.get("errors", []):
             lines.append(f"{name} error: {error.splitlines()[0]}")
     return lines
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def format_targets(rows: dict[str, dict[str, Any]]) -> list[str]:

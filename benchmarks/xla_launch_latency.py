@@ -76,7 +76,6 @@ import importlib.util
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,6 +84,8 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from bench_util import median, progress, run_command, seconds, tail, verdict
 
 # Only the standard library at the top: torch_xla's spawn start method re-imports this
 # script in each worker, as it would a user's small module holding the function.
@@ -281,37 +282,6 @@ def xla_env(devices: int) -> dict[str, str]:
     return env
 
 
-def run_command(
-    command: list[str], timeout: float, env: dict[str, str]
-) -> subprocess.CompletedProcess[str]:
-    """Run a command in its own session; on timeout kill its process group (and the rest)."""
-    with subprocess.Popen(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def tail(text: str, lines: int = 8) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def progress(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.01) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -452,10 +422,6 @@ def collect(ways: list[str], rounds: int, later: int, interrupts: bool) -> dict[
 # --------------------------------------------------------------------------- summary
 
 
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def peer_of(way: str) -> str:
     devices, start_method = WAYS[way]
     return f"launch-{devices}-{start_method}"
@@ -489,10 +455,6 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "errors": sorted({s["error"] for s in samples if "error" in s} | set(failed)),
             }
     return rows
-
-
-def seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 def ratio(rows: dict[str, dict[str, Any]], name: str) -> str:
@@ -545,10 +507,6 @@ def format_table(rows: dict[str, dict[str, Any]], data: dict[str, Any]) -> list[
     for way, left in leftovers:
         lines.append(f"{way}: a process outlived its driver by {LEFTOVER_GRACE_S:.0f} s: {left}")
     return lines
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def format_targets(rows: dict[str, dict[str, Any]]) -> list[str]:
