@@ -119,7 +119,7 @@ def _start(
     xla = plan_xla_launch(resolved.config, os.environ)
     # Counted once: NVML is slow. A torch_xla launch runs on TPU (or XLA's CPU device).
     gpus = 0 if resolved.config.use_cpu or xla else visible_gpu_count(os.environ)
-    world_size = xla.world_size if xla else plan_world_size(resolved.config, os.environ, gpus)
+    world_size = xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, gpus)
     payload = build_payload(function, tuple(args), kwargs or {}, resolved.config)
 
     helper = shared_helper()  # started on first use; it imports torch while we go on
@@ -213,8 +213,10 @@ def _installed(package: str) -> bool:
 def plan_world_size(config: Config, env: Mapping[str, str], gpus: int | None = None) -> int:
     """Worker count for this machine, checked against the TPU or GPUs that are visible."""
     xla = plan_xla_launch(config, env)
-    if xla is not None:
-        return xla.world_size
+    return xla.world_size if xla is not None else _gpu_world_size(config, env, gpus)
+
+
+def _gpu_world_size(config: Config, env: Mapping[str, str], gpus: int | None) -> int:
     if gpus is None:
         gpus = 0 if config.use_cpu else visible_gpu_count(env)
     check_environment(config, gpus, _installed)

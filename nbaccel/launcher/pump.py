@@ -39,7 +39,7 @@ from nbaccel.events import (
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.failures import Failure, build_error
 from nbaccel.launcher.helper import HelperProcess
-from nbaccel.launcher.output import LineSplitter
+from nbaccel.launcher.output import LineSplitter, render
 from nbaccel.xla_plan import XlaPlan
 
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
@@ -89,7 +89,10 @@ class RunPump:
     _events_file: Any
 
     def logs(self, rank: int = 0) -> str:
-        raise NotImplementedError  # Run's: a finished run names its stuck ranks' last lines
+        """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in this run (world size {self.world_size})")
+        return render((self.run_dir / f"rank{rank}.log").read_bytes())
 
     def _open_rank(self, rank: int) -> tuple[int, int]:
         """A rank's log file and pipes; the write ends (log, events) for its worker."""

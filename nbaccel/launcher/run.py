@@ -21,7 +21,6 @@ from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.helper import HelperProcess
-from nbaccel.launcher.output import render
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
 from nbaccel.xla_plan import XlaPlan
 
@@ -134,12 +133,6 @@ class Run(RunPump):
         if not self._done.is_set():
             self._post({"op": "stop"})
         return self.wait(timeout)
-
-    def logs(self, rank: int = 0) -> str:
-        """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is not in this run (world size {self.world_size})")
-        return render((self.run_dir / f"rank{rank}.log").read_bytes())
 
     def __repr__(self) -> str:
         return (

@@ -42,7 +42,7 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
         strategy=run.config.strategy,
         pids=lambda: _pids(ref),
         env=os.environ,
-        xla_device=getattr(run, "xla_device", None),
+        xla_device=run.xla_device,
     )
     # The sampler's callback finds the dashboard when it first runs (after the run starts).
     sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))

@@ -153,23 +153,6 @@ class NvmlMemory:
             self._fallback.close()
 
 
-class Unavailable:
-    """A source for devices nothing can read: every reading is "n/a".
-
-    >>> Unavailable(["rank 0 (xla)"]).read()
-    [MemoryReading(device='rank 0 (xla)', current=None, peak=None, limit=None)]
-    """
-
-    def __init__(self, devices: list[str]) -> None:
-        self._devices = devices
-
-    def read(self) -> list[MemoryReading]:
-        return [MemoryReading(device, None, None, None) for device in self._devices]
-
-    def close(self) -> None:
-        pass
-
-
 class ReportedMemory:
     """Device memory that the workers read themselves (XLA) and report as ``DeviceMemory``.
 
@@ -252,10 +235,10 @@ class MemorySampler:
     """Calls ``on_readings`` with fresh readings every ``interval`` seconds on a daemon thread.
 
     >>> got = []
-    >>> sampler = MemorySampler(Unavailable(["gpu"]), got.append, interval=60)
+    >>> sampler = MemorySampler(ReportedMemory(1), got.append, interval=60)
     >>> sampler.start(); sampler.stop()
     >>> got
-    [[MemoryReading(device='gpu', current=None, peak=None, limit=None)]]
+    [[MemoryReading(device='rank 0 (xla)', current=None, peak=None, limit=None)]]
     """
 
     def __init__(

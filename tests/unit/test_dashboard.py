@@ -41,7 +41,7 @@ from nbaccel.ui.memory import (
     MemorySampler,
     NvmlMemory,
     ProcessMemory,
-    Unavailable,
+    ReportedMemory,
     memory_source,
 )
 from nbaccel.ui.plots import CurvePlot, MemoryBars, render_summary
@@ -381,6 +381,7 @@ class FakeRun:
         self.config = Config(**config)
         self.world_size = world_size
         self.worker_pids = {0: os.getpid()}
+        self.xla_device: str | None = None  # as Run for launches not through torch_xla
         self.subscribers: list[Any] = []
         self.stops: list[float] = []
 
@@ -477,7 +478,7 @@ def test_sampler_thread_samples_and_stops_closing_its_source() -> None:
     assert sampler._thread is not None and not sampler._thread.is_alive()
     assert nvml.calls[0] == "init" and nvml.calls[-1] == "shutdown"
     assert readings[0][0].device == "cuda:0 (GPU 0)"
-    assert Unavailable(["a"]).read()[0].current is None
+    assert ReportedMemory(1).read()[0].current is None  # a device nothing reported: n/a
 
 
 # ----- frames --------------------------------------------------------------------------

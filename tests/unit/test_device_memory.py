@@ -188,8 +188,7 @@ class FakeRun:
         self.world_size = world_size
         self.worker_pids: dict[int, int] = {}
         self.subscribers: list[Any] = []
-        if xla_device is not None:
-            self.xla_device = xla_device
+        self.xla_device = xla_device  # as Run: "TPU"/"CPU" for torch_xla launches, else None
 
     def subscribe(self, subscriber: Any) -> None:
         self.subscribers.append(subscriber)
