@@ -204,7 +204,7 @@ def measure(blocks: int, width: int, batch: int, steps: int) -> dict[str, Any]:
 def collect(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Per row, the element-wise maximum of both ranks' measurements, and the estimate."""
     import nbaccel
-    from nbaccel.config import Config
+    from nbaccel.config.schema import Config
     from nbaccel.memory_estimate import estimate_for_config, sharding_stage
 
     results: dict[str, dict[str, Any]] = {}

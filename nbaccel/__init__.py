@@ -13,7 +13,8 @@ only the worker processes load torch.
 
 from typing import TYPE_CHECKING, Any
 
-from nbaccel.config import Config
+from nbaccel.config.resolve import resolve
+from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, active_session
 from nbaccel.errors import (
     CollectiveTimeout,
@@ -28,7 +29,6 @@ from nbaccel.events import RunState
 from nbaccel.launcher.api import launch, notebook_launcher
 from nbaccel.launcher.run import Run
 from nbaccel.metrics import log_metrics
-from nbaccel.resolve import resolve
 
 if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel never imports torch
     from nbaccel.accel import Accelerator, DistributedType

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.events import EventWriter
 from nbaccel.xla_plan import XlaPlan
 

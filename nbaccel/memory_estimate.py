@@ -77,7 +77,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nbaccel.config import MIXED_PRECISIONS, Config
+from nbaccel.config.schema import MIXED_PRECISIONS, Config
 
 __all__ = [
     "OPTIMIZER_STATE_BYTES",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.devices import TPUInfo
 from nbaccel.errors import ConfigError
 

@@ -7,7 +7,7 @@ restores, ``trackers`` record ``log`` calls; ``xla`` does these the XLA way on T
 Settings come from the launch that started this worker
 (``notebook_launcher(..., mixed_precision="bf16")``); explicit arguments win. Outside nbaccel
 (torchrun, a plain script) they come from ``NBACCEL_*`` / ``ACCELERATE_*`` environment
-variables and the default config file, as in ``nbaccel.resolve``.
+variables and the default config file, as in ``nbaccel.config.resolve``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from nbaccel.accel.state import (
 from nbaccel.accel.trackers import Tracker
 from nbaccel.accel.tracking import Tracking
 from nbaccel.accel.xla import XlaRuntime
-from nbaccel.config import Config
-from nbaccel.deepspeed_config import mixed_precision_of
+from nbaccel.config.deepspeed import mixed_precision_of
+from nbaccel.config.schema import Config
 from nbaccel.metrics import report_model
 
 _SCHEDULER_TYPES: tuple[type, ...] = (

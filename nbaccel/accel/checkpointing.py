@@ -21,7 +21,7 @@ from nbaccel.accel.data import PreparedDataLoader, PreparedIterableLoader
 from nbaccel.accel.deepspeed_engine import DeepSpeedRun
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler
 from nbaccel.accel.precision import Precision
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 
 
 class Checkpointing(ProcessCoordination):

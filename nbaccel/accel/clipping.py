@@ -14,7 +14,7 @@ import torch
 
 from nbaccel.accel.deepspeed_engine import DeepSpeedRun
 from nbaccel.accel.optim import AcceleratedOptimizer, GradientState
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 
 
 class GradientClipping:

@@ -1,7 +1,7 @@
 """DeepSpeed's engine behind the Accelerator (strategy='deepspeed'); worker side.
 
 ``DeepSpeedRun`` hands model, optimizer and scheduler to ``deepspeed.initialize`` (with a
-config that ``nbaccel.deepspeed_config.fill_auto_values`` filled) and offers what the
+config that ``nbaccel.config.deepspeed.fill_auto_values`` filled) and offers what the
 Accelerator calls: the engine for ``prepare`` to return, ``backward`` (which also steps: the
 engine accumulates, clips and steps), optimizer and scheduler stand-ins whose ``step`` does
 nothing, checkpoints through the engine (each rank its own shards) and the consolidated weights.
@@ -20,7 +20,7 @@ import torch
 
 from nbaccel.accel.models import save_state_file
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, GradientState
-from nbaccel.deepspeed_config import auto_paths
+from nbaccel.config.deepspeed import auto_paths
 
 CHECKPOINT_TAG = "deepspeed"
 _QUIET = 2**31 - 1  # steps_per_print: DeepSpeed's own progress line, never (nbaccel shows one)
@@ -60,7 +60,7 @@ class DeepSpeedRun:
         if auto_paths(ds_config):
             raise ValueError(
                 f"The DeepSpeed config still has 'auto' in {', '.join(auto_paths(ds_config))}, "
-                "which DeepSpeed refuses. Fill it with nbaccel.deepspeed_config.fill_auto_values."
+                "which DeepSpeed refuses. Fill it with nbaccel.config.deepspeed.fill_auto_values."
             )
         config = copy.deepcopy(ds_config)  # deepspeed.initialize may write into it
         config.setdefault("steps_per_print", _QUIET)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from nbaccel.accel.deepspeed_engine import DeepSpeedRun
-from nbaccel.config import Config
-from nbaccel.deepspeed_config import deepspeed_config, fill_auto_values
+from nbaccel.config.deepspeed import deepspeed_config, fill_auto_values
+from nbaccel.config.schema import Config
 
 
 def prepare_deepspeed(

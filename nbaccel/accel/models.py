@@ -22,7 +22,7 @@ from nbaccel.accel import sharding
 from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType, ProcessState
-from nbaccel.config_sections import FSDPOptions
+from nbaccel.config.sections import FSDPOptions
 
 # Marks a forward that prepare() wrapped in autocast; the original is kept on the wrapper.
 _ORIGINAL_FORWARD = "__nbaccel_original_forward__"

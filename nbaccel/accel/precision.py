@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from nbaccel.config import MIXED_PRECISIONS
+from nbaccel.config.schema import MIXED_PRECISIONS
 from nbaccel.errors import ConfigError
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import (
 from torch.utils.checkpoint import checkpoint
 
 from nbaccel.accel.state import ProcessState
-from nbaccel.config_sections import FSDPOptions
+from nbaccel.config.sections import FSDPOptions
 from nbaccel.errors import ConfigError
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nbaccel.config import Config
+from nbaccel.config.resolve import resolve
+from nbaccel.config.schema import Config
 from nbaccel.context import active_session
 from nbaccel.devices import detect_tpu
-from nbaccel.resolve import resolve
 from nbaccel.xla_plan import uses_xla
 
 

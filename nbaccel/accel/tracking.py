@@ -11,7 +11,7 @@ from typing import Any
 
 from nbaccel.accel.coordination import ProcessCoordination
 from nbaccel.accel.trackers import Tracker, start_trackers
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.metrics import log_metrics
 
 

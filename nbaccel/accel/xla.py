@@ -36,7 +36,7 @@ from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType, ProcessState
 from nbaccel.accel.xla_prepare import Batch
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.context import active_session
 from nbaccel.errors import ConfigError
 from nbaccel.xla_plan import check_versions

@@ -18,7 +18,7 @@ from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.sharding import wrap_units
 from nbaccel.accel.state import ProcessState
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 
 Batch = tuple[Any, bool, int]  # a batch, whether it is the epoch's last, its real samples
 

@@ -19,18 +19,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nbaccel.accelerate_compat import accelerate_env
-from nbaccel.config import Config, shown_ranks
-from nbaccel.config_files import as_nested
+from nbaccel.config.accelerate_compat import accelerate_env
+from nbaccel.config.deepspeed import deepspeed_config
+from nbaccel.config.files import as_nested
+from nbaccel.config.resolve import ConfigSource, Resolved, resolve
+from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.context import ProcessContext
-from nbaccel.deepspeed_config import deepspeed_config
 from nbaccel.devices import detect_tpu, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.launcher.helper import shared_helper
 from nbaccel.launcher.payload import build_payload
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
-from nbaccel.resolve import ConfigSource, Resolved, resolve
 from nbaccel.xla_plan import XlaPlan, plan_xla, uses_xla, xla_worker_env
 
 DASHBOARD_CHOICES = ("auto", "text", True, False)

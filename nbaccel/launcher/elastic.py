@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from nbaccel.accelerate_compat import accelerate_env
-from nbaccel.config import Config
+from nbaccel.config.accelerate_compat import accelerate_env
+from nbaccel.config.schema import Config
 from nbaccel.devices import visible_gpu_count
 
 DEFAULT_MULTINODE_PORT = 29500

@@ -19,7 +19,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.errors import SerializationError
 
 MAX_CELL_SOURCES_BYTES = 8 << 20

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.errors import HelperError
 from nbaccel.events import (
     DeviceMemory,

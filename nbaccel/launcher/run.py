@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter

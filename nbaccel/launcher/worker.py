@@ -25,7 +25,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter
 from nbaccel.launcher import script

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.events import EventWriter
 from nbaccel.launcher import control

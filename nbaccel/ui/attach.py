@@ -15,7 +15,7 @@ import os
 import weakref
 from collections.abc import Callable
 
-from nbaccel.config import shown_ranks
+from nbaccel.config.schema import shown_ranks
 from nbaccel.events import DeviceMemory, Event
 from nbaccel.launcher.run import Run
 from nbaccel.ui.choose import in_kernel

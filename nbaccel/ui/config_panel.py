@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from nbaccel.config import Config, flatten, option, options, sections
-from nbaccel.config_display import applies, launch_flags
-from nbaccel.config_files import save
+from nbaccel.config.display import applies, launch_flags
+from nbaccel.config.files import save
+from nbaccel.config.resolve import resolve
+from nbaccel.config.schema import Config, flatten, option, options, sections
 from nbaccel.devices import visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.events import Event, RunEnded, RunState
 from nbaccel.launcher.api import plan_world_size
 from nbaccel.memory_estimate import count_parameters
-from nbaccel.resolve import resolve
 from nbaccel.ui import config_widgets as cw
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from nbaccel.config import Config, Option, from_flat, option, parse_text
-from nbaccel.config_display import show_value
+from nbaccel.config.display import show_value
+from nbaccel.config.schema import Config, Option, from_flat, option, parse_text
 from nbaccel.errors import ConfigError
 from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
 
@@ -40,7 +40,7 @@ class FieldRow:
 def make_row(opt: Option, value: Any) -> FieldRow:
     """The row for ``opt`` showing ``value``; DOM classes name it for browser tests.
 
-    >>> from nbaccel.config import option
+    >>> from nbaccel.config.schema import option
     >>> row = make_row(option("num_processes"), None)
     >>> type(row.input).__name__, row.input.description, row.input.placeholder
     ('Text', 'num_processes', 'none')

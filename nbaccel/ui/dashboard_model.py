@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.events import (
     Event,
     LogLine,

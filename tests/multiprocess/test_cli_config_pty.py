@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.config import Config
-from nbaccel.resolve import resolve
+from nbaccel.config.resolve import resolve
+from nbaccel.config.schema import Config
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a POSIX pty")
 

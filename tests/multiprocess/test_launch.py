@@ -330,7 +330,7 @@ def what_the_worker_got() -> tuple:
 def test_config_file_and_config_object_use_the_same_resolution(
     tmp_path: Path, runs_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nbaccel.config_files import save
+    from nbaccel.config.files import save
 
     path = save(nbaccel.Config(num_processes=2, mixed_precision="bf16"), tmp_path / "run.yaml")
     monkeypatch.setenv("NBACCEL_GRADIENT_ACCUMULATION_STEPS", "3")  # env fills what is unset

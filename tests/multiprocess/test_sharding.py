@@ -401,7 +401,7 @@ def train_hybrid(processes_per_machine: int) -> dict[str, Any]:
     import torch
 
     from nbaccel.accel import sharding
-    from nbaccel.config_sections import FSDPOptions
+    from nbaccel.config.sections import FSDPOptions
 
     acc = nbaccel.Accelerator()  # only for rank and device: sharding is applied directly
     state = dataclasses.replace(acc.state, local_world_size=processes_per_machine)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from nbaccel.config import Config, DeepSpeedOptions, FSDPOptions
+from nbaccel.config.schema import Config, DeepSpeedOptions, FSDPOptions
 from nbaccel.memory_estimate import (
     STAGES,
     MemoryEstimate,
@@ -373,7 +373,7 @@ def test_count_parameters_needs_a_model() -> None:
 def test_importing_and_estimating_keep_torch_out() -> None:
     code = (
         "import sys\n"
-        "from nbaccel.config import Config\n"
+        "from nbaccel.config.schema import Config\n"
         "from nbaccel.memory_estimate import estimate_for_config, count_parameters\n"
         "estimate_for_config(Config(num_processes=2, strategy='fsdp'), 10**6).describe()\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"

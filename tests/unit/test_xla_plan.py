@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.devices import TPUInfo, detect_tpu
 from nbaccel.errors import ConfigError
 from nbaccel.xla_plan import (

@@ -12,7 +12,7 @@ fills from the run (batch sizes, ``gradient_accumulation_steps``, ``gradient_cli
 ``fp16``/``bf16`` ``enabled``): left out counts as ``"auto"``. A setting made explicitly for the
 run (a non-default option) that contradicts the file is an error, never a silent choice.
 
-Reading the file and the checks are in ``nbaccel.deepspeed_config_checks``. Parent side: stdlib
+Reading the file and the checks are in ``nbaccel.config.deepspeed_checks``. Parent side: stdlib
 and PyYAML only; importing this never imports torch or deepspeed.
 """
 
@@ -22,9 +22,7 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nbaccel.config import Config
-from nbaccel.config_sections import DeepSpeedOptions
-from nbaccel.deepspeed_config_checks import (
+from nbaccel.config.deepspeed_checks import (
     ACCUMULATION,
     AUTO,
     CLIPPING,
@@ -39,6 +37,8 @@ from nbaccel.deepspeed_config_checks import (
     leaves,
     read_file,
 )
+from nbaccel.config.schema import Config
+from nbaccel.config.sections import DeepSpeedOptions
 from nbaccel.errors import ConfigError
 
 __all__ = [

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import nbaccel
-from nbaccel.cli_flags import add_config_flags, explicit_values
+from nbaccel.cli.flags import add_config_flags, explicit_values
+from nbaccel.config.resolve import resolve
 from nbaccel.launcher.script import run_script
-from nbaccel.resolve import resolve
 
 # `nbaccel launch`'s own defaults (a file, env or flag still wins): scripts written for
 # torchrun call init_process_group() themselves, and a terminal shows every rank, labelled.

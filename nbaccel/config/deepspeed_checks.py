@@ -7,7 +7,7 @@ misspelt top-level key, an ``"auto"`` nothing fills); ``check_options_agree`` an
 ``check_run_agrees`` refuse a config that contradicts a setting made explicitly for the run.
 A ``Source`` names a bad value as the user wrote it: a path in the file, or the option.
 
-The key names and ``AUTO`` live here, and ``nbaccel.deepspeed_config`` (the public side, which
+The key names and ``AUTO`` live here, and ``nbaccel.config.deepspeed`` (the public side, which
 builds and fills the config) imports them. Parent side: stdlib and PyYAML only; importing this
 never imports torch or deepspeed.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from nbaccel.config_sections import DeepSpeedOptions
+from nbaccel.config.sections import DeepSpeedOptions
 from nbaccel.errors import ConfigError
 
 AUTO = "auto"

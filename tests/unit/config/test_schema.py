@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbaccel.config import (
+from nbaccel.config.schema import (
     Config,
     DeepSpeedOptions,
     FSDPOptions,

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import yaml
 
-from nbaccel.config import Config
-from nbaccel.deepspeed_config import (
+from nbaccel.config.deepspeed import (
     auto_paths,
     deepspeed_config,
     fill_auto_values,
     mixed_precision_of,
 )
+from nbaccel.config.schema import Config
 from nbaccel.errors import ConfigError
 from nbaccel.launcher import api
 
@@ -331,8 +331,8 @@ def test_clipping_precision_and_accumulation_come_from_the_run() -> None:
 # -- the parent side --------------------------------------------------------------------------
 def test_importing_the_config_side_keeps_torch_out(tmp_path: Path) -> None:
     code = (
-        "import sys, nbaccel.deepspeed_config as d\n"
-        "from nbaccel.config import Config\n"
+        "import sys, nbaccel.config.deepspeed as d\n"
+        "from nbaccel.config.schema import Config\n"
         "d.deepspeed_config(Config(strategy='deepspeed'))\n"
         "print('TORCH' if any(m == 'torch' or m.startswith('torch.') for m in sys.modules)"
         " else 'CLEAN', 'deepspeed' in sys.modules)\n"
@@ -434,7 +434,7 @@ def test_deepspeed_run_refuses_what_deepspeed_cannot_take(fake_deepspeed: dict[s
     ds = fill(deepspeed_config(Config(strategy="deepspeed")))
     with pytest.raises(
         ValueError,
-        match=r"still has 'auto' in .*Fill it with nbaccel.deepspeed_config.fill_auto_values",
+        match=r"still has 'auto' in .*Fill it with nbaccel.config.deepspeed.fill_auto_values",
     ):
         DeepSpeedRun(model, optimizer, None, deepspeed_config(Config(strategy="deepspeed")))
     with pytest.raises(

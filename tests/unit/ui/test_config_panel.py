@@ -22,13 +22,13 @@ import ipywidgets as widgets
 
 import nbaccel
 from nbaccel.cli import build_parser
-from nbaccel.cli_flags import explicit_values
-from nbaccel.config import Config, from_flat, options
-from nbaccel.config_display import applies
+from nbaccel.cli.flags import explicit_values
+from nbaccel.config.display import applies
+from nbaccel.config.resolve import resolve
+from nbaccel.config.schema import Config, from_flat, options
 from nbaccel.errors import ConfigError
 from nbaccel.events import RunEnded, RunState
 from nbaccel.memory_estimate import estimate_for_config
-from nbaccel.resolve import resolve
 from nbaccel.ui import config_widgets
 from nbaccel.ui.config_panel import ConfigPanel
 
@@ -412,7 +412,7 @@ def test_the_panel_is_exported_lazily_and_validates_from_flat_names() -> None:
 
 
 def test_a_panel_passed_as_config_runs_what_it_shows_over_env_and_files() -> None:
-    from nbaccel.resolve import resolve
+    from nbaccel.config.resolve import resolve
 
     panel = ConfigPanel(mixed_precision="no")
     resolved = resolve({}, env={"NBACCEL_MIXED_PRECISION": "bf16"}, config=panel)

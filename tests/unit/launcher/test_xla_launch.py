@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import nbaccel
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.events import DeviceMemory, EventWriter, RunState
 from nbaccel.launcher import api

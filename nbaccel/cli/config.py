@@ -15,12 +15,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nbaccel.cli_flags import add_config_flags, explicit_values
-from nbaccel.config import Config, Option, flatten, from_flat, options, parse_text, sections
-from nbaccel.config_display import applies, launch_flags, show_value
-from nbaccel.config_files import default_file, nbaccel_default_file, save
+from nbaccel.cli.flags import add_config_flags, explicit_values
+from nbaccel.config.display import applies, launch_flags, show_value
+from nbaccel.config.files import default_file, nbaccel_default_file, save
+from nbaccel.config.resolve import Resolved, resolve
+from nbaccel.config.schema import Config, Option, flatten, from_flat, options, parse_text, sections
 from nbaccel.errors import ConfigError
-from nbaccel.resolve import Resolved, resolve
 
 INTRO = (
     "Press Enter to keep the value in [brackets]; 'none' unsets an optional value, '-' "

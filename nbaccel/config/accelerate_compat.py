@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.errors import ConfigError
 
 ACCELERATE_TOP_KEYS = frozenset(

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nbaccel.config import (
+from nbaccel.config.files import default_file, load_file
+from nbaccel.config.schema import (
     Config,
     Option,
     check_names,
@@ -28,7 +29,6 @@ from nbaccel.config import (
     parse_text,
     sections,
 )
-from nbaccel.config_files import default_file, load_file
 from nbaccel.errors import ConfigError
 
 ENV_PREFIX = "NBACCEL_"

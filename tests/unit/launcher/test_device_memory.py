@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.events import DeviceMemory, Metric
 from nbaccel.launcher.device_memory import start_device_memory_reports
 from nbaccel.ui.dashboard_model import MemoryReading

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel import cli_env
-from nbaccel.cli_env import collect_report, format_report
+from nbaccel.cli import env as cli_env
+from nbaccel.cli.env import collect_report, format_report
 from nbaccel.devices import detect_tpu
 from tests.unit.fake_hosts import dev_entries, pci_device
 
@@ -238,7 +238,7 @@ def test_cli_prints_the_report_as_json(tmp_path: Path) -> None:
 def test_a_fresh_process_making_the_report_never_imports_torch(tmp_path: Path) -> None:
     code = (
         "import os, sys\n"
-        "from nbaccel.cli_env import collect_report, format_report\n"
+        "from nbaccel.cli.env import collect_report, format_report\n"
         "format_report(collect_report(os.environ))\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_xla')))\n"
     )

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import nbaccel
-from nbaccel.config import Config
-from nbaccel.config_files import accelerate_default_file, default_file, nbaccel_default_file
+from nbaccel.config.files import accelerate_default_file, default_file, nbaccel_default_file
+from nbaccel.config.schema import Config
 from nbaccel.devices import TPUInfo, detect_tpu, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.xla_plan import check_versions, plan_xla, uses_xla

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-import nbaccel.config
+import nbaccel.config.schema
 from nbaccel.cli import build_parser, main
-from nbaccel.cli_config import launch_flags
-from nbaccel.cli_flags import explicit_values
-from nbaccel.config import Config, options
-from nbaccel.config_files import nbaccel_default_file, save
+from nbaccel.cli.config import launch_flags
+from nbaccel.cli.flags import explicit_values
+from nbaccel.config.files import nbaccel_default_file, save
+from nbaccel.config.resolve import resolve
+from nbaccel.config.schema import Config, options
 from nbaccel.errors import ConfigError
-from nbaccel.resolve import resolve
 
 
 @pytest.fixture(autouse=True)
@@ -271,14 +271,14 @@ def test_wizard_reasks_from_the_field_a_final_cross_field_error_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A rule naming an earlier field (none in the schema yet) re-walks from that field."""
-    schema_rules = nbaccel.config._check_consistency
+    schema_rules = nbaccel.config.schema._check_consistency
 
     def stricter(config: Config) -> None:
         schema_rules(config)
         if config.mixed_precision == "fp16" and config.log_ranks == "all":
             raise ConfigError("fp16 with log_ranks='all' (test rule).", field="mixed_precision")
 
-    monkeypatch.setattr(nbaccel.config, "_check_consistency", stricter)
+    monkeypatch.setattr(nbaccel.config.schema, "_check_consistency", stricter)
     target = tmp_path / "rule.yaml"
     answers = Answers({"mixed_precision": ["fp16", "bf16"], "log_ranks": "all"})
     code, asked = run_wizard(monkeypatch, answers, "--config_file", str(target))
@@ -342,8 +342,8 @@ def test_help_for_every_command_comes_from_the_schema(capsys: pytest.CaptureFixt
 def test_launch_help_names_flags_as_accelerate_users_expect(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    if importlib.util.find_spec("nbaccel.cli_launch") is None:
-        pytest.skip("nbaccel launch is not built yet (nbaccel/cli_launch.py)")
+    if importlib.util.find_spec("nbaccel.cli.launch") is None:
+        pytest.skip("nbaccel launch is not built yet (nbaccel/cli/launch.py)")
     text = help_text(["launch"], capsys)
     for flag in ("--num_processes", "--num-processes", "--mixed_precision", "--config_file"):
         assert flag in text

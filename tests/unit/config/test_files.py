@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.accelerate_compat import accelerate_env, from_accelerate_yaml
-from nbaccel.config import Config, DeepSpeedOptions, FSDPOptions, from_flat
-from nbaccel.config_files import default_file, dump, load_file, save
+from nbaccel.config.accelerate_compat import accelerate_env, from_accelerate_yaml
+from nbaccel.config.files import default_file, dump, load_file, save
+from nbaccel.config.resolve import resolve
+from nbaccel.config.schema import Config, DeepSpeedOptions, FSDPOptions, from_flat
 from nbaccel.errors import ConfigError
-from nbaccel.resolve import resolve
 
 ACCELERATE_FSDP = """\
 compute_environment: LOCAL_MACHINE

@@ -22,7 +22,7 @@ pytest.importorskip("matplotlib")
 
 import ipywidgets
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.errors import ConfigError, RemoteTraceback, WorkerError
 from nbaccel.events import (
     LogLine,

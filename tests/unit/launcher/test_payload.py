@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.errors import SerializationError
 from nbaccel.launcher.payload import build_payload
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.config_sections import DeepSpeedOptions, FSDPOptions, schema_field
+from nbaccel.config.sections import DeepSpeedOptions, FSDPOptions, schema_field
 from nbaccel.errors import ConfigError
 
 __all__ = ["Config", "DeepSpeedOptions", "FSDPOptions", "Option", "options"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import nbaccel
-from nbaccel.config import Config
+from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.launcher import api
 

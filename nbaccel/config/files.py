@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nbaccel.accelerate_compat import from_accelerate_yaml, looks_like_accelerate
-from nbaccel.config import Config, check_names, flatten, options, sections
+from nbaccel.config.accelerate_compat import from_accelerate_yaml, looks_like_accelerate
+from nbaccel.config.schema import Config, check_names, flatten, options, sections
 from nbaccel.errors import ConfigError
 
 DEFAULT_NAME = "default_config.yaml"

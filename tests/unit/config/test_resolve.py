@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.config import Config
+from nbaccel.config.resolve import env_names, resolve
+from nbaccel.config.schema import Config
 from nbaccel.errors import ConfigError
-from nbaccel.resolve import env_names, resolve
 
 
 def test_defaults_when_nothing_is_given() -> None:

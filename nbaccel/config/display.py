@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nbaccel.config import Config, options
+from nbaccel.config.schema import Config, options
 
 Predicate = Callable[[Mapping[str, Any]], bool]
 

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from nbaccel.config import options, parse_text
+from nbaccel.config.schema import options, parse_text
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,16 @@
+"""The one configuration schema and everything that reads or writes it.
+
+- ``schema``: the ``Config`` dataclass (types, choices, help) and its flat ``options()``;
+  ``sections``: its nested ``fsdp`` / ``deepspeed`` parts.
+- ``resolve``: defaults < files < environment < code, each value's source recorded.
+- ``files``: nbaccel's YAML and Accelerate's ``default_config.yaml``;
+  ``accelerate_compat``: Accelerate's names, both ways.
+- ``deepspeed`` / ``deepspeed_checks``: a DeepSpeed JSON config, read and checked.
+- ``display``: how the wizard, the widget panel and ``config show`` present a field.
+
+Plain data, stdlib (and pyyaml) only: both the parent and the workers import it.
+"""
+
+from nbaccel.config.schema import Config, DeepSpeedOptions, FSDPOptions, Option, options
+
+__all__ = ["Config", "DeepSpeedOptions", "FSDPOptions", "Option", "options"]
