@@ -8,13 +8,18 @@ XLA_VENV ?= .venv-xla
 XLA_PY := $(XLA_VENV)/bin/python
 XLA_STAMP := $(XLA_VENV)/.installed-stamp
 
-.PHONY: demo test lint unit multiprocess notebook browser xla bench clean
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
 
+.PHONY: demo test test-newest lint unit multiprocess notebook browser xla bench clean
+
+# Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
+# requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
 $(STAMP): pyproject.toml requirements/ci.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements/ci.txt
-	$(PY) -m pip install --quiet -e '.[dev]' -r requirements/ci.txt
+	$(PY) -m pip install --quiet --requirement requirements/ci.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
+	$(PY) -m pip check
 	touch $(STAMP)
 
 # The torch_xla environment: torch 2.9 + torch_xla 2.9 (they must match), nbaccel from here.
@@ -54,10 +59,22 @@ browser: $(STAMP)
 xla: $(XLA_STAMP)
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla
 
+# The newest releases pyproject.toml allows (no lock; on this machine pip's own cap keeps
+# torch at the newest build on its disk): catches a dependency that moved since the lock
+# was made. Re-resolves on every call.
+test-newest:
+	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet --upgrade --upgrade-strategy eager --editable '.[dev]'
+	$(NEWEST_PY) -m pip check
+	$(NEWEST_PY) -m pip freeze --exclude-editable > $(NEWEST_VENV)/resolved.txt
+	@grep -iE '^(torch|cloudpickle|ipykernel|ipywidgets|accelerate|safetensors)==' $(NEWEST_VENV)/resolved.txt
+	$(NEWEST_PY) -m pytest tests/unit tests/multiprocess tests/notebook
+
 bench: $(STAMP)
 	$(PY) benchmarks/launch_latency.py
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/sharding_memory.py
 
 clean:
-	rm -rf $(VENV) $(XLA_VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(XLA_VENV) $(NEWEST_VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache
