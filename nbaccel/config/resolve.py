@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,7 @@ def resolve(
     >>> r.config.num_processes, r.config.mixed_precision, r.sources["mixed_precision"]
     (2, 'bf16', 'env:NBACCEL_MIXED_PRECISION')
     """
+    _check_source(config)
     values: dict[str, Any] = {}
     sources = {opt.name: "default" for opt in options()}
 
@@ -122,6 +124,19 @@ def resolve(
         name = error.field if error.field in sources else None
         where = f" (from {sources[name]})" if name else ""
         raise ConfigError(f"{error}{where}", field=error.field) from None
+
+
+def _check_source(config: object) -> None:
+    if config is None or isinstance(config, (Config, Mapping, str, os.PathLike)):
+        return
+    if isinstance(getattr(config, "config", None), Config):
+        return  # a ConfigPanel
+    raise ConfigError(
+        f"config= got {type(config).__name__} {config!r:.60}, which is none of what it takes: "
+        "an nbaccel.Config, a mapping of field names to values, the path of a YAML file, or "
+        "an nbaccel.ConfigPanel. Pass one of those (or leave config out).",
+        field="config",
+    )
 
 
 def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:

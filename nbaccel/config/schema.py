@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,11 @@ class Config:
         "Worker processes per machine. Default: one per visible GPU, else 1.",
         minimum=1,
     )
+    allow_oversubscribe: bool = schema_field(
+        False,
+        "Allow more than 8 CPU processes per core (refused otherwise: usually a typo, and each "
+        "process would get a sliver of a core).",
+    )
     num_machines: int = schema_field(
         1, "Machines taking part (multi-node via nbaccel launch).", minimum=1
     )
@@ -57,6 +63,7 @@ class Config:
         None,
         "Rendezvous port on machine 0. Default: a free port on one machine, 29500 on several.",
         minimum=1,
+        maximum=65535,
     )
     use_cpu: bool = schema_field(
         False,
@@ -170,6 +177,7 @@ class Option:
     help: str
     choices: tuple[Any, ...] | None
     minimum: float | None
+    maximum: float | None
     accelerate_env: str | None
 
     def get(self, config: Config) -> Any:
@@ -320,8 +328,18 @@ def _check_value(opt: Option, value: Any) -> None:
             listed = ", ".join(repr(c) for c in opt.choices)
             shown = f"{opt.name} entry {item!r}" if opt.kind is tuple else f"{opt.name}={item!r}"
             raise ConfigError(f"{shown} is not one of {listed}.", field=opt.name)
+    if opt.kind is float and not math.isfinite(value):
+        # NaN slips through every comparison below, and an infinite timeout never fires.
+        example = f" such as {opt.default:g}" if isinstance(opt.default, float) else ""
+        raise ConfigError(
+            f"{opt.name} must be a finite number, got {value!r}: NaN and infinity are "
+            f"refused because no bound or timeout could ever trigger. Give a number{example}.",
+            field=opt.name,
+        )
     if opt.minimum is not None and value < opt.minimum:
         raise ConfigError(f"{opt.name} must be >= {opt.minimum:g}, got {value!r}.", field=opt.name)
+    if opt.maximum is not None and value > opt.maximum:
+        raise ConfigError(f"{opt.name} must be <= {opt.maximum:g}, got {value!r}.", field=opt.name)
 
 
 def _check_consistency(config: Config) -> None:
@@ -397,5 +415,6 @@ def _make_option(spec: dataclasses.Field[Any], hint: Any, path: str) -> Option:
         help=meta["help"],
         choices=meta.get("choices"),
         minimum=meta.get("minimum"),
+        maximum=meta.get("maximum"),
         accelerate_env=meta.get("accelerate_env"),
     )

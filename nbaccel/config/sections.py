@@ -17,8 +17,15 @@ def schema_field(
     choices: tuple[Any, ...] | None = None,
     accelerate_env: str | None = None,
     minimum: float | None = None,
+    maximum: float | None = None,
 ) -> Any:
-    meta = {"help": help, "choices": choices, "accelerate_env": accelerate_env, "minimum": minimum}
+    meta = {
+        "help": help,
+        "choices": choices,
+        "accelerate_env": accelerate_env,
+        "minimum": minimum,
+        "maximum": maximum,
+    }
     return field(default=default, metadata=meta)
 
 

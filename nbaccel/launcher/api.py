@@ -25,15 +25,15 @@ from nbaccel.config.files import as_nested
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
 from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.context import ProcessContext
-from nbaccel.devices import detect_tpu, visible_gpu_count
+from nbaccel.devices import detect_tpu, loopback_interface, visible_gpu_count
 from nbaccel.errors import ConfigError
+from nbaccel.launcher import checks
 from nbaccel.launcher.helper import shared_helper
 from nbaccel.launcher.payload import build_payload
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
+from nbaccel.launcher.run_folder import make_run_dir, private_file
 from nbaccel.xla_plan import XlaPlan, plan_xla, uses_xla, xla_worker_env
-
-DASHBOARD_CHOICES = ("auto", "text", True, False)
 
 
 def launch(
@@ -106,7 +106,8 @@ def _start(
     *,
     blocking: bool,
 ) -> Run:
-    _check_call(function, args, kwargs, dashboard)
+    # Everything that can be wrong is found before any process, folder, pipe or port exists.
+    checks.check_call(function, args, kwargs, dashboard)
     # The UI is an entry-point layer above the launcher: reached only here, at call time.
     # choose is stdlib only; ipywidgets and matplotlib load only when widgets are shown.
     from nbaccel.ui.choose import wants_widgets
@@ -116,36 +117,39 @@ def _start(
     if num_processes is not None:
         explicit["num_processes"] = num_processes
     resolved = resolve(explicit, env=os.environ, config=config)
+    checks.check_one_machine(resolved)
     xla = plan_xla_launch(resolved.config, os.environ)
     # Counted once: NVML is slow. A torch_xla launch runs on TPU (or XLA's CPU device).
     gpus = 0 if resolved.config.use_cpu or xla else visible_gpu_count(os.environ)
     world_size = xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, gpus)
+    checks.check_log_ranks(resolved.config, world_size)
+    checks.check_project_dir(resolved.config)
     payload = build_payload(function, tuple(args), kwargs or {}, resolved.config)
 
-    helper = shared_helper()  # started on first use; it imports torch while we go on
     run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-    run_dir = Path(resolved.config.runs_dir).resolve() / run_id
-    run_dir.mkdir(parents=True)
-    _write_config(run_dir, resolved)
-    run = Run(run_id, run_dir, resolved.config, world_size, xla=xla)
-    if widgets:
-        from nbaccel.ui.attach import attach_dashboard
-
-        attach_dashboard(run, blocking=blocking, gpus=gpus)  # shown in the calling cell
-    else:
-        printer = TextPrinter(
-            sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking
-        )
-        run.subscribe(printer)
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # Bind the rendezvous port here and hand the listening socket to rank 0: the port is
+    # held from the moment it is chosen, so no other process can take it.
+    listener = _rendezvous_listener(resolved)
+    try:
+        run_dir = make_run_dir(resolved.config.runs_dir, run_id)
+    except BaseException:
+        listener.close()
+        raise
     with tempfile.TemporaryFile() as payload_file, listener:
+        helper = shared_helper()  # started on first use; it imports torch while we go on
+        _write_config(run_dir, resolved)
+        run = Run(run_id, run_dir, resolved.config, world_size, xla=xla)
+        if widgets:
+            from nbaccel.ui.attach import attach_dashboard
+
+            attach_dashboard(run, blocking=blocking, gpus=gpus)  # shown in the calling cell
+        else:
+            printer = TextPrinter(
+                sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking
+            )
+            run.subscribe(printer)
         payload_file.write(payload)
         payload_file.flush()
-        # Bind the rendezvous port here and hand the listening socket to rank 0: the port
-        # is held from the moment it is chosen, so no other process can take it.
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
         port = listener.getsockname()[1]
         requests = [
             {
@@ -162,21 +166,22 @@ def _start(
     return run
 
 
-def _check_call(function: Any, args: Any, kwargs: Any, dashboard: Any) -> None:
-    if not callable(function):
-        raise TypeError(
-            f"nbaccel needs a function to run in each worker, got {type(function).__name__} "
-            f"{function!r}. Pass the function itself: notebook_launcher(train), not train()."
-        )
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(
-            f"args must be a tuple or list of positional arguments, got {type(args).__name__}. "
-            "For one argument write args=(value,)."
-        )
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}.")
-    if dashboard not in DASHBOARD_CHOICES:
-        raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
+def _rendezvous_listener(resolved: Resolved) -> socket.socket:
+    """A listening socket on loopback: ``main_process_port`` if set, else a free port."""
+    port = resolved.config.main_process_port or 0
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    except OSError as error:
+        listener.close()
+        raise ConfigError(
+            f"main_process_port={port} (from {resolved.sources['main_process_port']}) cannot "
+            f"be used on 127.0.0.1: {error.strerror or error}. Another process holds it: "
+            "choose another port, or leave main_process_port unset for a free one.",
+            field="main_process_port",
+        ) from None
+    return listener
 
 
 def plan_xla_launch(
@@ -222,6 +227,8 @@ def _gpu_world_size(config: Config, env: Mapping[str, str], gpus: int | None) ->
     check_environment(config, gpus, _installed)
     if config.num_processes is None:
         return max(gpus, 1)
+    if not gpus:
+        checks.check_oversubscription(config, config.num_processes, checks.usable_cores())
     if gpus and config.num_processes > gpus:
         raise ConfigError(
             f"num_processes={config.num_processes}, but only {gpus} GPU(s) are visible"
@@ -245,6 +252,12 @@ def worker_env(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // context.local_world_size))
     )
     env["PYTHONUNBUFFERED"] = "1"
+    # gloo (and NCCL's bootstrap) bind to whatever the host name resolves to, a LAN address
+    # on many machines, and their ports take no authentication. One machine needs nothing
+    # but loopback: pin both to it, whatever the kernel's environment says.
+    loopback = loopback_interface()
+    if loopback is not None:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback
     if env.get("MPLBACKEND", "").startswith("module://"):
         env["MPLBACKEND"] = "Agg"  # the notebook's inline backend needs a kernel
     return env
@@ -269,4 +282,5 @@ def _contexts(run_id: str, world_size: int, port: int, run_dir: Path) -> list[Pr
 
 def _write_config(run_dir: Path, resolved: Resolved) -> None:
     record = {"config": as_nested(resolved.config), "sources": dict(resolved.sources)}
-    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    with private_file(run_dir / "config.json") as file:
+        file.write(json.dumps(record, indent=2) + "\n")

@@ -1,0 +1,171 @@
+"""What a launch checks before anything exists: no process, folder, pipe or port yet.
+
+Each check raises with what is wrong, why it matters and the fix, naming the field or
+argument. ``api._start`` calls them in order; the config's own types and bounds were
+already checked by ``resolve``. Stdlib only: this runs in the kernel.
+"""
+
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nbaccel.config.resolve import Resolved
+from nbaccel.config.schema import Config, shown_ranks
+from nbaccel.errors import ConfigError
+
+DASHBOARD_CHOICES = ("auto", "text", True, False)
+# More CPU processes than this many per core is almost always a typo (num_processes=80 for
+# 8); each process would get a sliver of a core and the run crawls or runs out of memory.
+OVERSUBSCRIBE_FACTOR = 8
+
+
+def check_call(function: Any, args: Any, kwargs: Mapping[str, Any] | None, dashboard: Any) -> None:
+    """The function, its arguments and the dashboard choice, as given in the call."""
+    if not callable(function):
+        raise TypeError(
+            f"nbaccel needs a function to run in each worker, got {type(function).__name__} "
+            f"{function!r}. Pass the function itself: notebook_launcher(train), not train()."
+        )
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(
+            f"args must be a tuple or list of positional arguments, got {type(args).__name__}. "
+            "For one argument write args=(value,)."
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}.")
+    if dashboard not in DASHBOARD_CHOICES:
+        raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
+    check_signature(function, tuple(args), dict(kwargs or {}))
+
+
+def check_signature(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
+    """Fail here, not in every worker, when ``function(*args, **kwargs)`` cannot bind.
+
+    >>> def train(lr, epochs=1): ...
+    >>> check_signature(train, (), {})
+    Traceback (most recent call last):
+    ...
+    TypeError: train(lr, epochs=1) cannot be called with 0 positional argument(s): missing a required argument: 'lr'. Pass arguments that match its parameters (args=(value,) for one positional argument).
+    """  # noqa: E501
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # some builtins have no signature to check against: the worker will tell
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        name = getattr(function, "__qualname__", repr(function))
+        bare = signature.replace(
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        given = f"{len(args)} positional argument(s)"
+        if kwargs:
+            given += " and keyword(s) " + ", ".join(map(repr, kwargs))
+        raise TypeError(
+            f"{name}{bare} cannot be called with {given}: {error}. Pass arguments that "
+            "match its parameters (args=(value,) for one positional argument)."
+        ) from None
+
+
+def check_one_machine(resolved: Resolved) -> None:
+    """``launch``/``notebook_launcher`` run on this machine: multi-machine fields are refused
+    (never ignored) until the notebook can drive several machines."""
+    config, sources = resolved.config, resolved.sources
+    if config.num_machines > 1 or config.machine_rank > 0:
+        name = "num_machines" if config.num_machines > 1 else "machine_rank"
+        raise ConfigError(
+            f"{name}={getattr(config, name)} (from {sources[name]}): launch() and "
+            "notebook_launcher() start processes on this machine only. To train across "
+            "machines, run `nbaccel launch --num_machines N --machine_rank R "
+            "--main_process_ip HOST script.py` on each machine, or set num_machines=1.",
+            field=name,
+        )
+    if not _is_loopback(config.main_process_ip):
+        raise ConfigError(
+            f"main_process_ip={config.main_process_ip!r} (from "
+            f"{sources['main_process_ip']}): a one-machine run keeps every socket on loopback "
+            "(127.0.0.1) so that nothing faces the network; the address of machine 0 is only "
+            "used with num_machines > 1. Remove main_process_ip, or set it to 127.0.0.1.",
+            field="main_process_ip",
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_log_ranks(config: Config, world_size: int) -> None:
+    """``log_ranks`` may only name ranks this run has."""
+    ranks = shown_ranks(config.log_ranks)
+    missing = sorted(r for r in ranks or () if r >= world_size)
+    if missing:
+        raise ConfigError(
+            f"log_ranks={config.log_ranks!r} names rank {missing[0]}, but this run has "
+            f"{world_size} process(es) (ranks 0-{world_size - 1}), so that output would never "
+            f"show. Use ranks below {world_size}, or 'all'.",
+            field="log_ranks",
+        )
+
+
+def check_oversubscription(config: Config, world_size: int, cores: int) -> None:
+    """Refuse far more CPU processes than cores, unless ``allow_oversubscribe``.
+
+    >>> check_oversubscription(Config(num_processes=40), 40, cores=2)
+    Traceback (most recent call last):
+    ...
+    nbaccel.errors.ConfigError: num_processes=40 CPU processes on 2 core(s) is more than 8 per core: each process would get a sliver of a core (and its own copy of the model in memory). Use fewer processes, or pass allow_oversubscribe=True if you mean it.
+    """  # noqa: E501
+    limit = OVERSUBSCRIBE_FACTOR * cores
+    if world_size > limit and not config.allow_oversubscribe:
+        raise ConfigError(
+            f"num_processes={world_size} CPU processes on {cores} core(s) is more than "
+            f"{OVERSUBSCRIBE_FACTOR} per core: each process would get a sliver of a core (and "
+            "its own copy of the model in memory). Use fewer processes, or pass "
+            "allow_oversubscribe=True if you mean it.",
+            field="num_processes",
+        )
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_project_dir(config: Config) -> None:
+    """A ``project_dir`` the workers will write into must be a writable folder (or be
+    creatable in one): checked here, where the error names the field."""
+    if not config.project_dir:
+        return
+    path = Path(config.project_dir).expanduser().absolute()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if existing == path and not path.is_dir():
+        why = "it is a file, not a folder"
+    elif not existing.is_dir():
+        why = f"{existing} is a file, so no folder can be created under it"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable for this user"
+    else:
+        return
+    raise ConfigError(
+        f"project_dir={config.project_dir!r} cannot hold the run's trackers and checkpoints: "
+        f"{why}. Choose a folder you can write to.",
+        field="project_dir",
+    )
