@@ -122,3 +122,16 @@ def _read(path: Path) -> str:
         return path.read_text().strip().lower()
     except OSError:
         return ""
+
+
+def loopback_interface() -> str | None:
+    """The name of the network interface that holds 127.0.0.1 ("lo" on Linux, "lo0" on
+    macOS), or None if there is none (psutil reads it; nothing is opened)."""
+    import socket
+
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None

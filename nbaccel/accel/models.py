@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -158,8 +159,24 @@ def save_state_file(weights: dict[str, torch.Tensor], directory: Path) -> Path:
     # save_model reads state_dict(); give it CPU tensors without moving the live model.
     holder = _StateHolder(cpu_copy)
     save_model(holder, str(partial), metadata={"format": "pt"})
+    # safetensors creates its file 0600; a checkpoint is the user's output, so it gets the
+    # mode any file they create gets (what torch.save gives): 0666 minus the umask.
+    partial.chmod(0o666 & ~current_umask())
     partial.replace(path)
     return path
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux); else set and put back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:

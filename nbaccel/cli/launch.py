@@ -18,6 +18,7 @@ from typing import Any
 import nbaccel
 from nbaccel.cli.flags import add_config_flags, explicit_values
 from nbaccel.config.resolve import resolve
+from nbaccel.launcher.run_folder import make_run_dir
 from nbaccel.launcher.script import run_script
 
 # `nbaccel launch`'s own defaults (a file, env or flag still wins): scripts written for
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
         # One folder per machine: several "machines" may share a host and a working folder.
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(config.runs_dir).resolve() / f"{stamp}-elastic-m{config.machine_rank}"
+        run_dir = make_run_dir(config.runs_dir, f"{stamp}-elastic-m{config.machine_rank}")
         return launch_machines(config, args.target, args.module, list(args.target_args), run_dir)
     run_ = nbaccel.launch(
         run_script,

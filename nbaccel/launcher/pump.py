@@ -40,6 +40,7 @@ from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.failures import Failure, build_error
 from nbaccel.launcher.helper import HelperProcess
 from nbaccel.launcher.output import LineSplitter, render
+from nbaccel.launcher.run_folder import private_file
 from nbaccel.xla_plan import XlaPlan
 
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
@@ -100,7 +101,7 @@ class RunPump:
         event_read, event_write = os.pipe()
         for fd in (log_read, event_read):
             os.set_blocking(fd, False)
-        log_file = open(self.run_dir / f"rank{rank}.log", "wb", buffering=0)
+        log_file = private_file(self.run_dir / f"rank{rank}.log", "wb")
         self._ranks.append(RankPipes(rank, log_file, log_read, event_read))
         return log_write, event_write
 
@@ -198,7 +199,8 @@ class RunPump:
             self._emit(event)
         elif kind == "result":
             r.result, r.has_result = message["value"], True
-            (self.run_dir / f"result-rank{r.rank}.pkl").write_bytes(message["value"])
+            with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:
+                file.write(message["value"])
         elif kind == "error":
             self._fail(Failure(r.rank, message["cause"], message["time"], report=message))
 

@@ -22,6 +22,7 @@ from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.helper import HelperProcess
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
+from nbaccel.launcher.run_folder import private_file
 from nbaccel.xla_plan import XlaPlan
 
 
@@ -147,7 +148,7 @@ class Run(RunPump):
         self._helper = helper
         # Block-buffered, flushed once per pump wake-up: a write call per line cost ~40 us of
         # parent CPU per metric, taken from the workers on a small machine.
-        self._events_file = open(self.run_dir / "events.jsonl", "a")
+        self._events_file = private_file(self.run_dir / "events.jsonl", "a")
         helper.subscribe(self.run_id, self._post)
         child_fds: list[int] = []
         try:

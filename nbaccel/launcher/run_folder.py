@@ -1,0 +1,41 @@
+"""The per-run folder (``runs_dir/<run id>``) and the files nbaccel writes in it.
+
+Logs, events, pickled results and the resolved config can hold secrets (tokens in a
+config, data in a traceback), so the folder is the owner's alone (0700) and every file
+nbaccel writes there is 0600, whatever the umask, as Jupyter's runtime folder is. The
+user's own outputs (checkpoints, trackers' files under ``project_dir``) keep the umask.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nbaccel.errors import ConfigError
+
+
+def make_run_dir(runs_dir: str, run_id: str) -> Path:
+    """Create ``runs_dir/run_id`` readable by the owner only (logs, results and config can
+    hold secrets, as Jupyter's runtime folder can), or say why it cannot be created."""
+    run_dir = Path(runs_dir).expanduser().resolve() / run_id
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700)
+    except OSError as error:
+        raise ConfigError(
+            f"runs_dir={runs_dir!r} cannot hold this run's folder: {error.strerror or error} "
+            f"({error.filename or run_dir}). Set runs_dir to a folder you can write to.",
+            field="runs_dir",
+        ) from None
+    run_dir.chmod(0o700)  # mkdir's mode is filtered by the umask; this is not
+    return run_dir
+
+
+def private_file(path: Path, mode: str = "w") -> Any:
+    """Open a new file in a run folder that only its owner can read (0600, whatever the
+    umask); ``mode`` as for ``open`` ("w", "wb", "a")."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+    buffering = 0 if "b" in mode else -1
+    return os.fdopen(fd, mode, buffering=buffering)
