@@ -15,6 +15,10 @@ from collections.abc import Sequence
 from nbaccel.launcher.failures import Failure, choose_culprit
 
 ARBITRATION_SECONDS = 0.5  # collect peers' failures before naming the culprit
+# A "connection closed by peer" report says another rank died: wait this long for that
+# rank's own report (its exit status comes through the helper, which may be busy) before
+# blaming the rank that only saw it go. Any rank's own failure closes the window sooner.
+PEER_PATIENCE_SECONDS = 5.0
 FAILURE_ESCALATION = ((0.0, signal.SIGTERM), (1.0, signal.SIGKILL))
 STOP_ESCALATION = ((0.0, signal.SIGINT), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
 HANG_ESCALATION = ((0.0, signal.SIGUSR1), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
@@ -26,11 +30,13 @@ class Arbiter:
     """Failure bookkeeping of one run.
 
     >>> a = Arbiter()
-    >>> a.fail(Failure(0, "peer", 1.0), now=10.0)
-    >>> a.fail(Failure(1, "exit", 1.2, exitcode=-9), now=10.1)
-    >>> a.due(now=10.2, live=[0], everyone_exited=False)  # still inside the window
+    >>> a.fail(Failure(0, "peer", 1.0), now=10.0)  # rank 0 saw a peer go: wait for it
+    >>> a.due(now=12.0, live=[0], everyone_exited=False)
     []
-    >>> a.due(now=10.6, live=[0], everyone_exited=False) == [(signal.SIGTERM, None)]
+    >>> a.fail(Failure(1, "exit", 3.0, exitcode=-9), now=12.1)  # the peer's own exit
+    >>> a.due(now=12.2, live=[0], everyone_exited=False)  # still inside the window
+    []
+    >>> a.due(now=12.6, live=[0], everyone_exited=False) == [(signal.SIGTERM, None)]
     True
     >>> a.culprit.rank
     1
@@ -51,8 +57,9 @@ class Arbiter:
         if any(f.rank == failure.rank for f in self.failures):
             return  # the exit that follows a reported error
         self.failures.append(failure)
-        if self._decide_at is None:
-            self._decide_at = now + ARBITRATION_SECONDS
+        window = PEER_PATIENCE_SECONDS if failure.cause == "peer" else ARBITRATION_SECONDS
+        deadline = now + window
+        self._decide_at = deadline if self._decide_at is None else min(self._decide_at, deadline)
 
     def cancel(self, now: float) -> None:
         """A user's stop; ignored once a failure is being handled."""

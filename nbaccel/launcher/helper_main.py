@@ -19,10 +19,12 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
 from nbaccel.launcher import control
+from nbaccel.launcher.orphans import Orphans
 from nbaccel.launcher.prctl import set_child_subreaper, set_parent_death_signal
 
 # nbaccel.accel (the Accelerator) costs ~0.1 s to import; preloaded, every worker has it free.
@@ -52,6 +54,7 @@ class Helper:
         self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
         self.wanted_spares = 0
         self.warmed = False
+        self.orphans = Orphans(_signal_group)  # what exited workers left behind
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -63,12 +66,18 @@ class Helper:
             # Make spares only when idle, one per turn, so requests are never kept waiting.
             idle = len(self.spares) >= self.wanted_spares
             timeout = PARENT_POLL_SECONDS if idle else 0.0
+            kill_at = self.orphans.due()
+            if kill_at is not None:
+                timeout = max(0.0, min(timeout, kill_at - time.monotonic()))
             waitables: list[Any] = [self.sock, self.wake_read]
             ready, _, _ = select.select(waitables, [], [], timeout)
+            self.orphans.kill_due(time.monotonic())
             if not ready and not idle:
                 self.fork_spare()
                 continue
-            if not ready and not self.warmed:
+            # Warm up only with no worker alive: the import blocks this loop for seconds, and
+            # a worker's exit must be reported at once (the first failing rank is named by it).
+            if not ready and not self.warmed and not self.workers:
                 self.warm_up()
                 continue
             if self.wake_read in ready:
@@ -178,10 +187,17 @@ class Helper:
                 for spare in [s for s in self.spares if s[0] == pid]:
                     spare[1].close()
                     self.spares.remove(spare)
+                orphan_of = self.orphans.forget(pid)
+                if orphan_of is not None:  # what it started is ours now, and ends with its run
+                    self.orphans.adopt_new_children(orphan_of, self.known_children())
                 continue
             # The worker led its own process group: take down what it left (DataLoader workers).
             _signal_group(pid, signal.SIGKILL)
             run_id, rank = owner
+            # Its children that left its group are ours now: they end when the run ends.
+            self.orphans.adopt_new_children(run_id, self.known_children())
+            if not any(run == run_id for run, _ in self.workers.values()):
+                self.orphans.end_run(run_id, time.monotonic())
             self.reply(
                 {
                     "op": "exited",
@@ -190,6 +206,10 @@ class Helper:
                     "status": os.waitstatus_to_exitcode(status),
                 }
             )
+
+    def known_children(self) -> set[int]:
+        """Children that are not orphans: workers and spares."""
+        return set(self.workers) | {pid for pid, _ in self.spares}
 
     def reply(self, message: dict[str, Any]) -> None:
         try:

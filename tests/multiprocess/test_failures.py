@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import nbaccel
+from tests.multiprocess.conftest import run_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -155,3 +156,34 @@ def test_workers_exit_cleanly_without_sigabrt(runs_dir: str) -> None:
         run = nbaccel.launch(all_reduce_twice, num_processes=2, runs_dir=runs_dir)
         assert run.wait(60) is nbaccel.RunState.SUCCEEDED
         assert exit_codes(run.run_dir) == {0: 0, 1: 0}
+
+
+FIRST_LAUNCH_SIGKILL = """
+import nbaccel
+
+def train():
+    import os, signal, time, torch, torch.distributed as dist
+    dist.all_reduce(torch.ones(1))
+    if dist.get_rank() == 1:
+        time.sleep(1.0)  # while the fresh helper warms up
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # rank 0 sees "Connection closed by peer" at once
+    time.sleep(60)
+
+try:
+    nbaccel.notebook_launcher(train, num_processes=2, runs_dir="runs")
+except nbaccel.WorkerError as error:
+    print("BLAMED", error.rank, error.signal_name)
+except Exception as error:
+    print("BLAMED-OTHER", type(error).__name__, str(error).splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize("attempt", range(2))
+def test_first_launch_of_a_fresh_helper_blames_the_killed_rank(
+    tmp_path: Path, attempt: int
+) -> None:
+    # A new interpreter means a new helper: its first idle moment used to import
+    # torch._dynamo for seconds, so rank 1's exit status came after rank 0's peer error.
+    result = run_script(FIRST_LAUNCH_SIGKILL, tmp_path, timeout=150)
+    assert "BLAMED 1 SIGKILL" in result.stdout, result.stdout + result.stderr

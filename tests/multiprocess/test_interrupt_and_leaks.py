@@ -18,6 +18,7 @@ import nbaccel
 from nbaccel.launcher.helper import shared_helper
 
 pytestmark = pytest.mark.timeout(240)
+INTERRUPT_BOUND_SECONDS = 15.0  # 5x the 3-second goal
 
 INTERRUPTED_SCRIPT = """
 import os, sys, time, nbaccel
@@ -63,7 +64,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_interrupt_stops_workers_and_grandchildren_within_3s(tmp_path: Path) -> None:
+def test_interrupt_stops_workers_and_grandchildren(tmp_path: Path) -> None:
     pids_prefix = str(tmp_path / "pids")
     parent = subprocess.Popen(
         [sys.executable, "-", pids_prefix],
@@ -83,10 +84,14 @@ def test_interrupt_stops_workers_and_grandchildren_within_3s(tmp_path: Path) -> 
         assert all(alive(pid) for pid in pids)
         parent.send_signal(signal.SIGINT)
         interrupted = time.monotonic()
+        # The goal is 3 s (benchmarks/interrupt_latency.py reports it); a loaded 2-core CI
+        # machine gets 5x that here, so this catches a stop that hangs, not a slow one.
         wait_for(
-            lambda: not any(alive(pid) for pid in pids), 3.0, "workers and grandchildren to die"
+            lambda: not any(alive(pid) for pid in pids),
+            INTERRUPT_BOUND_SECONDS,
+            "workers and grandchildren to die",
         )
-        assert time.monotonic() - interrupted < 3.0
+        assert time.monotonic() - interrupted < INTERRUPT_BOUND_SECONDS
         parent.wait(timeout=60)  # its output is small: the pipes cannot fill up
         assert parent.stdout is not None and parent.stderr is not None
         out, err = parent.stdout.read(), parent.stderr.read()
@@ -142,3 +147,55 @@ def test_twenty_launches_leave_no_process_thread_fd_or_port(runs_dir: str) -> No
     ]
     assert listening == []
     assert len(list(Path(runs_dir).iterdir())) == 21
+
+
+def start_detached_children(pid_file: str) -> int:
+    """Leave behind what a careless user might: children in sessions of their own (one of
+    them ignores SIGTERM, one has a child of its own), then return at once."""
+    import subprocess
+    import sys
+
+    ignore_term = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    )
+    with_child = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(p.pid, flush=True); time.sleep(600)"
+    )
+    plain = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+    )
+    stubborn = subprocess.Popen([sys.executable, "-c", ignore_term], start_new_session=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", with_child],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    grandchild = int(parent.stdout.readline())
+    pids = [plain.pid, stubborn.pid, parent.pid, grandchild]
+    with open(pid_file + ".tmp", "w") as file:
+        file.write(" ".join(map(str, pids)))
+    os.rename(pid_file + ".tmp", pid_file)
+    return len(pids)
+
+
+def test_children_that_left_the_worker_session_end_with_the_run(
+    runs_dir: str, tmp_path: Path
+) -> None:
+    pid_file = str(tmp_path / "pids")
+    run = nbaccel.launch(start_detached_children, args=(pid_file,), runs_dir=runs_dir)
+    assert run.result(timeout=60) == 4
+    pids = [int(p) for p in Path(pid_file).read_text().split()]
+    # SIGTERM when the run ends, SIGKILL one second later for the one that ignores it.
+    wait_for(lambda: not any(alive(pid) for pid in pids), 15.0, "detached children to end")
+    helper = psutil.Process(shared_helper().pid)
+
+    def reaped() -> bool:  # the helper collects their exit statuses too
+        return not any(pid in pids for pid in (p.pid for p in helper.children(recursive=True)))
+
+    wait_for(reaped, 15.0, "the helper to reap them")
+    # The helper is fine afterwards: the next launch runs.
+    assert nbaccel.notebook_launcher(outcome, args=("ok",), num_processes=2, runs_dir=runs_dir)

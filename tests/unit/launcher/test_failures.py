@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
+from nbaccel.launcher.arbiter import ARBITRATION_SECONDS, PEER_PATIENCE_SECONDS, Arbiter
 from nbaccel.launcher.failures import Failure, build_error, choose_culprit
 
 
@@ -160,3 +161,25 @@ def test_arbiter_stop_and_early_decision_when_everyone_exited() -> None:
     early.fail(Failure(1, "error", 0.0), now=0.0)
     assert early.due(now=0.01, live=[], everyone_exited=True) == []
     assert early.culprit is not None and early.culprit.rank == 1
+
+
+def test_arbiter_waits_for_the_peer_a_connection_error_points_at() -> None:
+    # The first launch of a kernel: rank 0's "closed by peer" arrives at once, rank 1's exit
+    # status only when the helper reaps it (seconds later when it is busy). Rank 1 is blamed.
+    a = Arbiter()
+    a.fail(Failure(0, "peer", 1.0), now=0.0)
+    assert a.due(now=ARBITRATION_SECONDS + 0.1, live=[0, 1], everyone_exited=False) == []
+    assert a.culprit is None
+    a.fail(Failure(1, "exit", 3.0, exitcode=-9), now=3.0)
+    assert a.next_deadline() == pytest.approx(3.0 + ARBITRATION_SECONDS)
+    a.due(now=3.0 + ARBITRATION_SECONDS, live=[0], everyone_exited=False)
+    assert a.culprit is not None and a.culprit.rank == 1
+
+
+def test_arbiter_blames_the_peer_report_when_nobody_else_reports() -> None:
+    a = Arbiter()
+    a.fail(Failure(0, "peer", 1.0), now=0.0)
+    assert a.next_deadline() == pytest.approx(PEER_PATIENCE_SECONDS)
+    signals = a.due(now=PEER_PATIENCE_SECONDS, live=[0, 1], everyone_exited=False)
+    assert a.culprit is not None and a.culprit.rank == 0
+    assert signals == [(signal.SIGTERM, None)]
