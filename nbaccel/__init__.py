@@ -26,8 +26,8 @@ from nbaccel.errors import (
     WorkerError,
 )
 from nbaccel.events import RunState
-from nbaccel.launcher.api import launch, notebook_launcher
 from nbaccel.launcher.run import Run
+from nbaccel.launching import launch, notebook_launcher
 from nbaccel.metrics import log_metrics
 
 if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel never imports torch

@@ -1,4 +1,5 @@
-"""``launch`` and ``notebook_launcher``: from a function in a cell to N running workers.
+"""``start``: from a function in a cell to N running workers (what ``nbaccel.launch`` and
+``nbaccel.notebook_launcher`` call once they have chosen how the run is shown).
 
 Everything that can be wrong with the input is checked here, before any process, folder,
 pipe or port exists: the function, the arguments, every config value, the device count,
@@ -12,7 +13,6 @@ import json
 import os
 import secrets
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -23,96 +23,39 @@ from nbaccel.config.accelerate_compat import accelerate_env
 from nbaccel.config.deepspeed import deepspeed_config
 from nbaccel.config.files import as_nested
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
-from nbaccel.config.schema import Config, shown_ranks
+from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.devices import detect_tpu, loopback_interface, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.launcher import checks
 from nbaccel.launcher.helper import shared_helper
 from nbaccel.launcher.payload import build_payload
-from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, private_file
 from nbaccel.xla_plan import XlaPlan, plan_xla, uses_xla, xla_worker_env
 
-
-def launch(
-    function: Callable[..., Any],
-    args: tuple[Any, ...] | list[Any] = (),
-    num_processes: int | None = None,
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-    config: ConfigSource = None,
-    dashboard: str | bool = "auto",
-    **overrides: Any,
-) -> Run:
-    """Start ``function(*args, **kwargs)`` on every worker and return at once with a ``Run``.
-
-    Any Config field can be given as a keyword (``mixed_precision="bf16"``); ``config`` is
-    a Config, a mapping or a YAML path. See ``notebook_launcher`` for the blocking form.
-
-    >>> import nbaccel
-    >>> def add(a, b):
-    ...     return a + b
-    >>> run = nbaccel.launch(add, args=(2, 3), num_processes=2)
-    >>> run.results()
-    {0: 5, 1: 5}
-    """
-    return _start(
-        function, args, num_processes, kwargs, config, dashboard, overrides, blocking=False
-    )
+# What shows a run (the widget dashboard, or text): called once with the run and the number
+# of GPUs it uses, before its workers start. Chosen by the entry points above the launcher.
+Display = Callable[[Run, int], None]
 
 
-def notebook_launcher(
-    function: Callable[..., Any],
-    args: tuple[Any, ...] | list[Any] = (),
-    num_processes: int | None = None,
-    *,
-    kwargs: Mapping[str, Any] | None = None,
-    config: ConfigSource = None,
-    dashboard: str | bool = "auto",
-    **overrides: Any,
-) -> Any:
-    """Run ``function(*args)`` on every worker, stream their output, return rank 0's value.
-
-    A drop-in for ``accelerate.notebook_launcher`` (same first three arguments). A failing
-    rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
-    the worker's traceback chained. An interrupt stops every worker and re-raises.
-
-    >>> import nbaccel
-    >>> def world(scale):
-    ...     import torch.distributed as dist
-    ...     return dist.get_world_size() * scale
-    >>> nbaccel.notebook_launcher(world, args=(10,), num_processes=2)
-    20
-    """
-    run = _start(function, args, num_processes, kwargs, config, dashboard, overrides, blocking=True)
-    try:
-        run.wait()
-    except KeyboardInterrupt:
-        run.stop()
-        raise
-    return run.result()
-
-
-def _start(
+def start(
     function: Callable[..., Any],
     args: tuple[Any, ...] | list[Any],
     num_processes: int | None,
     kwargs: Mapping[str, Any] | None,
     config: ConfigSource,
-    dashboard: str | bool,
-    overrides: dict[str, Any],
+    overrides: Mapping[str, Any],
     *,
-    blocking: bool,
+    show: Display,
 ) -> Run:
-    # Everything that can be wrong is found before any process, folder, pipe or port exists.
-    checks.check_call(function, args, kwargs, dashboard)
-    # The UI is an entry-point layer above the launcher: reached only here, at call time.
-    # choose is stdlib only; ipywidgets and matplotlib load only when widgets are shown.
-    from nbaccel.ui.choose import wants_widgets
+    """Check everything, then start ``function(*args, **kwargs)`` on every worker.
 
-    widgets = wants_widgets(dashboard)  # dashboard=True without ipywidgets fails here
+    ``show(run, gpus)`` subscribes what displays the run (the widget dashboard or text,
+    chosen above the launcher by ``nbaccel.launch``) before its workers start.
+    """
+    # Everything that can be wrong is found before any process, folder, pipe or port exists.
+    checks.check_call(function, args, kwargs)
     explicit = dict(overrides)
     if num_processes is not None:
         explicit["num_processes"] = num_processes
@@ -139,15 +82,7 @@ def _start(
         helper = shared_helper()  # started on first use; it imports torch while we go on
         _write_config(run_dir, resolved)
         run = Run(run_id, run_dir, resolved.config, world_size, xla=xla)
-        if widgets:
-            from nbaccel.ui.attach import attach_dashboard
-
-            attach_dashboard(run, blocking=blocking, gpus=gpus)  # shown in the calling cell
-        else:
-            printer = TextPrinter(
-                sys.stdout, shown_ranks(resolved.config.log_ranks), announce_end=not blocking
-            )
-            run.subscribe(printer)
+        show(run, gpus)
         payload_file.write(payload)
         payload_file.flush()
         port = listener.getsockname()[1]

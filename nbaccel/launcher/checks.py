@@ -1,7 +1,7 @@
 """What a launch checks before anything exists: no process, folder, pipe or port yet.
 
 Each check raises with what is wrong, why it matters and the fix, naming the field or
-argument. ``api._start`` calls them in order; the config's own types and bounds were
+argument. ``api.start`` calls them in order; the config's own types and bounds were
 already checked by ``resolve``. Stdlib only: this runs in the kernel.
 """
 
@@ -18,14 +18,13 @@ from nbaccel.config.resolve import Resolved
 from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.errors import ConfigError
 
-DASHBOARD_CHOICES = ("auto", "text", True, False)
 # More CPU processes than this many per core is almost always a typo (num_processes=80 for
 # 8); each process would get a sliver of a core and the run crawls or runs out of memory.
 OVERSUBSCRIBE_FACTOR = 8
 
 
-def check_call(function: Any, args: Any, kwargs: Mapping[str, Any] | None, dashboard: Any) -> None:
-    """The function, its arguments and the dashboard choice, as given in the call."""
+def check_call(function: Any, args: Any, kwargs: Mapping[str, Any] | None) -> None:
+    """The function and its arguments, as given in the call."""
     if not callable(function):
         raise TypeError(
             f"nbaccel needs a function to run in each worker, got {type(function).__name__} "
@@ -38,8 +37,6 @@ def check_call(function: Any, args: Any, kwargs: Mapping[str, Any] | None, dashb
         )
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}.")
-    if dashboard not in DASHBOARD_CHOICES:
-        raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
     check_signature(function, tuple(args), dict(kwargs or {}))
 
 

@@ -1,10 +1,11 @@
 """The notebook UI: the config panel and the live dashboard (ipywidgets; never torch).
 
-Importing this package imports nothing else: the launcher asks ``nbaccel.ui.choose``
-(stdlib only) whether to show widgets, and loads ``nbaccel.ui.attach`` (ipywidgets; then
-matplotlib on the dashboard's own thread) only when it does.
+Importing this package imports nothing else: ``nbaccel.launch`` asks ``nbaccel.ui.choose``
+(no ipywidgets import) how to show a run, which loads ``nbaccel.ui.attach`` (ipywidgets;
+then matplotlib on the dashboard's own thread) only when widgets are shown.
 
-- ``choose``: widgets or text for a launch (``dashboard="auto"`` / "text" / True / False).
+- ``choose``: widgets or text for a launch (``dashboard="auto"`` / "text" / True / False),
+  as the ``show`` callback the launcher calls with the new run.
 - ``attach``: ``attach_dashboard(run, ...)`` (what a launch in a kernel does) and
   ``dashboard_for(run)``, to find a run's dashboard again.
 - ``dashboard``: ``Dashboard``, the run subscriber and its UI thread (all widget writes).

@@ -4,7 +4,7 @@
 that talks ZMQ: JupyterLab, Notebook, VS Code, Colab) when ipywidgets is installed, and
 rank-labelled text anywhere else (a terminal, a script, IPython in a terminal, where
 widgets cannot render). ``"text"`` or ``False``: text only. ``True``: widgets, or an error
-before anything starts if ipywidgets is missing. Stdlib only.
+before anything starts if ipywidgets is missing. Imports neither ipywidgets nor torch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from nbaccel.config.schema import shown_ranks
 from nbaccel.errors import ConfigError
+from nbaccel.launcher.api import Display
+from nbaccel.launcher.printer import TextPrinter
+from nbaccel.launcher.run import Run
+
+DASHBOARD_CHOICES = ("auto", "text", True, False)
 
 INSTALL_HINT = "pip install nbaccel[notebook]"
 
@@ -54,3 +60,30 @@ def wants_widgets(dashboard: str | bool) -> bool:
             )
         return True
     return in_kernel() and widgets_installed()
+
+
+def choose_display(dashboard: str | bool, *, blocking: bool) -> Display:
+    """What shows a launch: the widget dashboard in the calling cell, or rank-labelled text
+    on ``sys.stdout``. Bad choices fail here, before anything starts.
+
+    >>> choose_display("fancy", blocking=True)
+    Traceback (most recent call last):
+    ...
+    nbaccel.errors.ConfigError: dashboard='fancy' is not one of 'auto', 'text', True, False.
+    """
+    if dashboard not in DASHBOARD_CHOICES:
+        raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
+    if wants_widgets(dashboard):  # dashboard=True without ipywidgets fails here
+
+        def show_widgets(run: Run, gpus: int) -> None:
+            from nbaccel.ui.attach import attach_dashboard  # ipywidgets, matplotlib: only now
+
+            attach_dashboard(run, blocking=blocking, gpus=gpus)  # shown in the calling cell
+
+        return show_widgets
+
+    def show_text(run: Run, gpus: int) -> None:
+        shown = shown_ranks(run.config.log_ranks)
+        run.subscribe(TextPrinter(sys.stdout, shown, announce_end=not blocking))
+
+    return show_text

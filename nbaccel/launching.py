@@ -1,0 +1,76 @@
+"""``nbaccel.launch`` and ``nbaccel.notebook_launcher``, the calls users make.
+
+An entry point above the launcher: it chooses how the run is shown (the widget dashboard
+in a kernel, text elsewhere: ``nbaccel.ui.choose``) and hands that to the launcher's
+``start``, which checks everything and starts the workers. The launcher itself never
+imports the UI (DESIGN.md §2; ``tests/unit/test_import_layers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nbaccel.config.resolve import ConfigSource
+from nbaccel.launcher.api import start
+from nbaccel.launcher.run import Run
+from nbaccel.ui.choose import choose_display
+
+
+def launch(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] = (),
+    num_processes: int | None = None,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    config: ConfigSource = None,
+    dashboard: str | bool = "auto",
+    **overrides: Any,
+) -> Run:
+    """Start ``function(*args, **kwargs)`` on every worker and return at once with a ``Run``.
+
+    Any Config field can be given as a keyword (``mixed_precision="bf16"``); ``config`` is
+    a Config, a mapping or a YAML path. See ``notebook_launcher`` for the blocking form.
+
+    >>> import nbaccel
+    >>> def add(a, b):
+    ...     return a + b
+    >>> run = nbaccel.launch(add, args=(2, 3), num_processes=2)
+    >>> run.results()
+    {0: 5, 1: 5}
+    """
+    show = choose_display(dashboard, blocking=False)
+    return start(function, args, num_processes, kwargs, config, overrides, show=show)
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] = (),
+    num_processes: int | None = None,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    config: ConfigSource = None,
+    dashboard: str | bool = "auto",
+    **overrides: Any,
+) -> Any:
+    """Run ``function(*args)`` on every worker, stream their output, return rank 0's value.
+
+    A drop-in for ``accelerate.notebook_launcher`` (same first three arguments). A failing
+    rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
+    the worker's traceback chained. An interrupt stops every worker and re-raises.
+
+    >>> import nbaccel
+    >>> def world(scale):
+    ...     import torch.distributed as dist
+    ...     return dist.get_world_size() * scale
+    >>> nbaccel.notebook_launcher(world, args=(10,), num_processes=2)
+    20
+    """
+    show = choose_display(dashboard, blocking=True)
+    run = start(function, args, num_processes, kwargs, config, overrides, show=show)
+    try:
+        run.wait()
+    except KeyboardInterrupt:
+        run.stop()
+        raise
+    return run.result()

@@ -1,0 +1,141 @@
+"""The layers of DESIGN.md §2, one way down, read from the source with ``ast``.
+
+    entry points   nbaccel (the package), nbaccel.launching, nbaccel.cli, nbaccel.ui, demo
+    sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
+    base           nbaccel.config, errors, events, context, devices, xla_plan, metrics,
+                   memory_estimate: plain data, importing no side and no entry point
+
+Every import counts, also those inside functions (a lazy import is still a dependency).
+Besides: the parent side never imports torch at module level, so ``import nbaccel`` and a
+launch keep the kernel free of it (tests/multiprocess/test_docs_and_imports.py runs that).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "nbaccel"
+
+ENTRY = ("nbaccel", "nbaccel.launching", "nbaccel.cli", "nbaccel.ui", "nbaccel.demo")
+SIDES = ("nbaccel.launcher", "nbaccel.accel")
+BASE = (
+    "nbaccel.config",
+    "nbaccel.errors",
+    "nbaccel.events",
+    "nbaccel.context",
+    "nbaccel.devices",
+    "nbaccel.xla_plan",
+    "nbaccel.metrics",
+    "nbaccel.memory_estimate",
+)
+# Worker-side modules of the launcher: they run in the workers (forked from the helper),
+# so they may import torch; none of them is imported by the parent side.
+WORKER_SIDE_LAUNCHER = (
+    "nbaccel.launcher.worker",
+    "nbaccel.launcher.xla_worker",
+    "nbaccel.launcher.xla_supervisor",
+    "nbaccel.launcher.device_memory",
+    "nbaccel.launcher.script",
+    "nbaccel.launcher.elastic",
+    "nbaccel.launcher.helper_main",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def modules() -> dict[str, ast.Module]:
+    return {module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(tree: ast.Module, *, top_level_only: bool = False) -> set[str]:
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def owning_module(name: str) -> str:
+    """The module an imported name lives in ("nbaccel.config.schema.Config" -> its module;
+    "nbaccel.log_metrics", taken from the package, -> "nbaccel")."""
+    while name not in modules() and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def layer(name: str) -> str:
+    name = owning_module(name)
+    if name == "nbaccel" or within(name, ENTRY[1:]):
+        return "entry"
+    if within(name, ("nbaccel.launcher",)):
+        return "launcher"
+    if within(name, ("nbaccel.accel",)):
+        return "accel"
+    assert within(name, BASE), f"{name} is in no layer: add it to this test's map"
+    return "base"
+
+
+ALLOWED = {
+    "entry": {"entry", "launcher", "accel", "base"},
+    "launcher": {"launcher", "base"},
+    "accel": {"accel", "base"},
+    "base": {"base"},
+}
+
+
+def own_imports(tree: ast.Module) -> set[str]:
+    # "nbaccel.config.schema.Config" and "nbaccel.config.schema" both name the module's layer.
+    return {name for name in imports(tree) if name.startswith("nbaccel.")}
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_imports_go_one_way_down(name: str) -> None:
+    tree = modules()[name]
+    wrong = sorted(
+        f"{name} ({layer(name)}) imports {target} ({layer(target)})"
+        for target in own_imports(tree)
+        if layer(target) not in ALLOWED[layer(name)]
+    )
+    assert not wrong, wrong
+
+
+def test_every_module_has_a_layer_and_the_map_names_real_modules() -> None:
+    names = set(modules())
+    for name in names:
+        layer(name)
+    for prefix in (*ENTRY, *SIDES, *BASE, *WORKER_SIDE_LAUNCHER):
+        assert any(within(n, (prefix,)) for n in names), f"{prefix} no longer exists"
+
+
+def test_the_parent_side_never_imports_torch_at_module_level() -> None:
+    worker_side = ("nbaccel.accel", *WORKER_SIDE_LAUNCHER)
+    wrong = sorted(
+        name
+        for name, tree in modules().items()
+        if not within(name, worker_side)
+        and any(within(i, ("torch", "torch_xla")) for i in imports(tree, top_level_only=True))
+    )
+    assert not wrong, f"parent-side modules importing torch at import time: {wrong}"
+
+
+def test_the_layer_check_catches_a_violation() -> None:
+    # The launcher reaching up into the UI (as it once did, lazily) must be caught.
+    tree = ast.parse("def start():\n    from nbaccel.ui.attach import attach_dashboard\n")
+    targets = own_imports(tree)
+    assert any(layer(t) not in ALLOWED["launcher"] for t in targets)
