@@ -135,3 +135,13 @@ def loopback_interface() -> str | None:
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
             return name
     return None
+
+
+def usable_cpu_cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1

@@ -11,7 +11,8 @@ import shlex
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nbaccel.config.schema import Config, options
+from nbaccel.config.schema import OVERSUBSCRIBE_FACTOR, Config, options
+from nbaccel.devices import usable_cpu_cores
 
 Predicate = Callable[[Mapping[str, Any]], bool]
 
@@ -30,6 +31,10 @@ APPLIES_WHEN: dict[str, Predicate] = {
     "sync_each_batch": lambda values: int(values["gradient_accumulation_steps"]) > 1,
     **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
     "rdzv_timeout": _multi_node,
+    # Asked only when the process count would otherwise be refused on this machine's CPUs.
+    "allow_oversubscribe": lambda values: (
+        int(values["num_processes"] or 0) > OVERSUBSCRIBE_FACTOR * usable_cpu_cores()
+    ),
 }
 
 

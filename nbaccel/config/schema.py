@@ -28,6 +28,9 @@ STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed", "xla")
 TRACKERS = ("tensorboard", "csv", "jsonl", "wandb", "mlflow")
 DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "cudagraphs")
 XLA_START_METHODS = ("spawn", "fork")
+# More CPU processes than this many per core is almost always a typo (num_processes=80 for
+# 8); each process would get a sliver of a core and the run crawls or runs out of memory.
+OVERSUBSCRIBE_FACTOR = 8
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,8 @@ class Config:
     )
     allow_oversubscribe: bool = schema_field(
         False,
-        "Allow more than 8 CPU processes per core (refused otherwise: usually a typo, and each "
-        "process would get a sliver of a core).",
+        f"Allow more than {OVERSUBSCRIBE_FACTOR} CPU processes per core (refused otherwise: "
+        "usually a typo, and each process would get a sliver of a core).",
     )
     num_machines: int = schema_field(
         1, "Machines taking part (multi-node via nbaccel launch).", minimum=1

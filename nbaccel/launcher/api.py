@@ -25,7 +25,7 @@ from nbaccel.config.files import as_nested
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.devices import detect_tpu, loopback_interface, visible_gpu_count
+from nbaccel.devices import detect_tpu, loopback_interface, usable_cpu_cores, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.launcher import checks
 from nbaccel.launcher.helper import shared_helper
@@ -163,7 +163,7 @@ def _gpu_world_size(config: Config, env: Mapping[str, str], gpus: int | None) ->
     if config.num_processes is None:
         return max(gpus, 1)
     if not gpus:
-        checks.check_oversubscription(config, config.num_processes, checks.usable_cores())
+        checks.check_oversubscription(config, config.num_processes, usable_cpu_cores())
     if gpus and config.num_processes > gpus:
         raise ConfigError(
             f"num_processes={config.num_processes}, but only {gpus} GPU(s) are visible"

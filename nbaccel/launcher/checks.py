@@ -15,12 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.config.resolve import Resolved
-from nbaccel.config.schema import Config, shown_ranks
+from nbaccel.config.schema import OVERSUBSCRIBE_FACTOR, Config, shown_ranks
 from nbaccel.errors import ConfigError
-
-# More CPU processes than this many per core is almost always a typo (num_processes=80 for
-# 8); each process would get a sliver of a core and the run crawls or runs out of memory.
-OVERSUBSCRIBE_FACTOR = 8
 
 
 def check_call(function: Any, args: Any, kwargs: Mapping[str, Any] | None) -> None:
@@ -134,14 +130,6 @@ def check_oversubscription(config: Config, world_size: int, cores: int) -> None:
             "allow_oversubscribe=True if you mean it.",
             field="num_processes",
         )
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (a container's CPU set, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 def check_project_dir(config: Config) -> None:

@@ -78,7 +78,7 @@ def test_oversubscription_refused_unless_allowed(
     nothing_started: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(api, "visible_gpu_count", lambda env: 0)
-    monkeypatch.setattr(checks, "usable_cores", lambda: 2)
+    monkeypatch.setattr(api, "usable_cpu_cores", lambda: 2)
     with pytest.raises(nbaccel.ConfigError, match="17 CPU processes on 2 core"):
         nbaccel.launch(train, args=(1.0,), num_processes=17, runs_dir=str(nothing_started))
     assert api.plan_world_size(nbaccel.Config(num_processes=16), {}) == 16
