@@ -13,10 +13,13 @@ resharded by DCP); dataloader positions are converted to the new number of proce
 rank that did not exist when saving keeps its own random state.
 
 Every rank writes into ``ckpt/.partial-<id>``; after a barrier rank 0 renames it to
-``state-<id>`` and only then points ``LATEST`` at it. A crash or a killed rank at any moment
-leaves ``LATEST`` naming the previous whole checkpoint. Loading reads and checks every
-file before it changes anything, with ``weights_only=True``. On XLA devices (``DeviceHooks``)
-tensors are copied to the CPU before they are written, so checkpoints load anywhere.
+``state-<id>`` and only then points ``LATEST`` at it, fsyncing each step first
+(``checkpoint_files.publish``). A crash, a killed rank or a power loss at any moment leaves
+``LATEST`` naming the previous whole checkpoint. Loading reads and checks every file before
+it changes anything, with ``weights_only=True`` (DCP's pickled metadata through an
+allowlist, ``safe_dcp``), and refuses names that lead out of the folder. On XLA devices
+(``DeviceHooks``) tensors are copied to the CPU before they are written, so checkpoints load
+anywhere.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nbaccel.accel import sharded_checkpoint
+from nbaccel.accel.checkpoint_files import fsync_file, inside, publish, write_durably
 
 FORMAT = 1
 LATEST = "LATEST"
@@ -119,16 +123,16 @@ def save_state(
             optimizer.consolidate_state_dict(to=0)
     if rank == 0 and objects.layout == "plain":
         for i, model in enumerate(objects.models):
-            torch.save(host(model.state_dict()), staging / f"model_{i}.pt")
+            _save(host(model.state_dict()), staging / f"model_{i}.pt")
         for i, optimizer in enumerate(objects.optimizers):
-            torch.save(host(optimizer.state_dict()), staging / f"optimizer_{i}.pt")
+            _save(host(optimizer.state_dict()), staging / f"optimizer_{i}.pt")
     if rank == 0:
         for i, scheduler in enumerate(objects.schedulers):
-            torch.save(host(scheduler.state_dict()), staging / f"scheduler_{i}.pt")
+            _save(host(scheduler.state_dict()), staging / f"scheduler_{i}.pt")
         if objects.scaler is not None:
-            torch.save(objects.scaler.state_dict(), staging / "scaler.pt")
+            _save(objects.scaler.state_dict(), staging / "scaler.pt")
         for i, obj in enumerate(objects.custom):
-            torch.save(host(obj.state_dict()), staging / f"custom_{i}.pt")
+            _save(host(obj.state_dict()), staging / f"custom_{i}.pt")
         meta = {
             "format": FORMAT,
             "layout": objects.layout,
@@ -137,18 +141,21 @@ def save_state(
             "progress": progress,
             "dataloaders": [loader.state_dict() for loader in objects.dataloaders],
         }
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_durably(staging / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     randomness = rng_states()
     if hooks is not None:
         randomness["device"] = hooks.rng_state()
-    torch.save(randomness, staging / f"random_states_{rank}.pt")
+    _save(randomness, staging / f"random_states_{rank}.pt")
     barrier()  # every rank's files are in the staging folder
     final = root / f"state-{name}"
     if rank == 0:
-        staging.rename(final)
-        pointer = root / f".{LATEST}.{name}"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)  # the commit point
+        # Each rank fsynced the files it wrote itself (_save; DCP syncs its own shards): on
+        # storage shared between machines only the writing machine can flush its cache. Rank
+        # 0 now fsyncs the whole folder once more, which covers files other writers put there
+        # (DCP's .metadata, DeepSpeed's engine) and every folder's entries, then renames it
+        # and moves LATEST, durably at each step. After the barrier nobody writes there, so
+        # the walk races with nothing.
+        publish(root, staging, final, LATEST)
         for old in root.glob("state-*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
@@ -158,6 +165,12 @@ def save_state(
         # seed was read: go on from the seed as saved, where a loading run goes on from.
         hooks.set_rng_state(randomness["device"])
     return final
+
+
+def _save(state: Any, path: Path) -> None:
+    # torch.save, then fsync: the data must be on the disk before the commit point names it.
+    torch.save(state, path)
+    fsync_file(path)
 
 
 def _agree_on_name(root: Path, rank: int, share: Callable[[str], str]) -> str:
@@ -271,7 +284,14 @@ def find_checkpoint(root: Path) -> Path:
             f"load_state: {root} is not a complete nbaccel checkpoint: {why}. Pass a folder "
             "written by Accelerator.save_state()."
         )
-    folder = root / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    folder = inside(root, name, what=f"{root}/{LATEST}")
+    if Path(name).name != name or not name.startswith("state-"):
+        raise ValueError(
+            f"load_state: {root}/{LATEST} names {name!r}, but it must name a state-* folder "
+            "directly inside the checkpoint folder, as save_state writes it; nothing was "
+            "loaded. The file was edited or damaged: restore the checkpoint or save again."
+        )
     if not (folder / "meta.json").exists():
         raise ValueError(
             f"load_state: {root}/{LATEST} names {folder.name}, which is missing or incomplete "

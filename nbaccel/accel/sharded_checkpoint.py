@@ -11,7 +11,8 @@ Two layouts, chosen by ``fsdp_state_dict_type``:
 Either way the files sit inside the staging folder that ``checkpoint.save_state`` renames
 only after every rank finished, so a crash leaves the previous checkpoint whole. Loading
 checks DCP's metadata against the model before anything is written into it, because
-``dcp.load`` fills the live parameters in place.
+``dcp.load`` fills the live parameters in place. DCP reads through ``safe_dcp``'s reader and
+planner, which unpickle nothing but what DCP's format holds (see that module).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,6 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from nbaccel.accel.checkpoint_files import inside
+from nbaccel.accel.safe_dcp import SafePlanner, SafeReader, check_entries
 
 SHARDED_FOLDER = "sharded"
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -104,8 +108,20 @@ def load(
         _apply(models, pairs, loaded, options)
         return
     state = _state(models, pairs, StateDictOptions())
-    _check_metadata(folder / SHARDED_FOLDER, state)
-    dcp_load(state, checkpoint_id=folder / SHARDED_FOLDER)
+    reader = SafeReader(inside(folder, SHARDED_FOLDER, what=f"the checkpoint {folder}"))
+    _check_metadata(reader, state)
+    # The same reader (holding the metadata just checked) and a planner that loads with
+    # weights_only: DCP's defaults would unpickle the files without restriction.
+    try:
+        check_entries(reader, reader.read_metadata())  # a tampered entry: refused, no change
+        dcp_load(state, storage_reader=reader, planner=SafePlanner())
+    except CheckpointException as error:
+        # DCP wraps every rank's error in a BaseException (``except Exception`` misses it):
+        # a refusal by SafePlanner surfaces as the ValueError it is, on every rank.
+        refused = [e for e, _trace in error.failures.values() if isinstance(e, ValueError)]
+        if refused:
+            raise refused[0] from error
+        raise
     _apply(models, pairs, state, StateDictOptions())
 
 
@@ -121,16 +137,17 @@ def _apply(
         set_optimizer_state_dict(owner, optimizer, state[f"optimizer_{i}"], options=options)
 
 
-def _check_metadata(path: Path, state: dict[str, Any]) -> None:
+def _check_metadata(reader: SafeReader, state: dict[str, Any]) -> None:
     # dcp.load writes into the live parameters as it reads: compare names and global
     # shapes first, so a foreign checkpoint changes nothing.
+    path = Path(reader.path)
     if not (path / ".metadata").exists():
         raise ValueError(
             f"load_state: {path.parent} has no sharded model state (no {SHARDED_FOLDER}/"
             ".metadata): it was saved without FSDP's sharded state dict. Load it with the "
             "strategy it was saved with."
         )
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = reader.read_metadata().state_dict_metadata  # refuses a tampered file
     wrong = []
     for key, value in _flatten(state):
         if not isinstance(value, torch.Tensor):
