@@ -73,6 +73,7 @@ test-newest:
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_latency.py
+	$(PY) benchmarks/interrupt_latency.py
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/sharding_memory.py
 
