@@ -15,11 +15,15 @@ NEWEST_PY := $(NEWEST_VENV)/bin/python
 
 # Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
-$(STAMP): pyproject.toml requirements/ci.txt
+$(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --requirement requirements/ci.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
 	$(PY) -m pip check
+	# The oldest cloudpickle pyproject allows, beside the venv (not in it): the payload
+	# tests also launch with it first on PYTHONPATH.
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/cloudpickle-oldest \
+		--requirement requirements/cloudpickle-oldest.txt
 	touch $(STAMP)
 
 # The torch_xla environment: torch 2.9 + torch_xla 2.9 (they must match), nbaccel from here.

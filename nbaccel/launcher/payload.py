@@ -1,10 +1,11 @@
 """Serialise the user's function, arguments and config for the workers (parent side).
 
 cloudpickle sends functions defined in a notebook cell or ``python -`` by value, closures
-and referenced globals included. When that fails, we find and name the variable that cannot
-travel, before any process starts. The parent's ``sys.path`` and the source of notebook
-cells (held only in the kernel's linecache) travel too, so imports resolve the same way and
-worker tracebacks show the cell's lines.
+and referenced globals included (through ``pickling``, which keeps code's file names, ships
+compiled classes by reference and refuses open files and sockets). When that fails, we find
+and name the variable that cannot travel, before any process starts. The parent's
+``sys.path`` and the source of notebook cells (held only in the kernel's linecache) travel
+too, so imports resolve the same way and worker tracebacks show the cell's lines.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import cloudpickle
-
 from nbaccel.config.schema import Config
 from nbaccel.errors import SerializationError
+from nbaccel.launcher import pickling
 
 MAX_CELL_SOURCES_BYTES = 8 << 20
 
@@ -33,7 +33,7 @@ def build_payload(
 ) -> bytes:
     """The bytes every worker reads: function, args, kwargs, config, sys.path, cell sources."""
     try:
-        body = cloudpickle.dumps((function, tuple(args), dict(kwargs)), protocol=5)
+        body = pickling.dumps((function, tuple(args), dict(kwargs)))
     except Exception as error:
         raise SerializationError(_explain(function, args, kwargs, error)) from error
     return pickle.dumps(
@@ -57,7 +57,9 @@ def _explain(
     )
     for label, value in _suspects(function, args, kwargs):
         try:
-            cloudpickle.dumps(value)
+            pickling.dumps(value)
+        except pickling.CannotTravel as inner:  # the message has its own fix
+            return f"Cannot send {name!r} to the worker processes: {label} is {inner}."
         except Exception as inner:  # noqa: BLE001
             return (
                 f"Cannot send {name!r} to the worker processes: {label} "

@@ -21,14 +21,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter
-from nbaccel.launcher import script
+from nbaccel.launcher import pickling, script
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.xla_plan import XlaPlan
 
@@ -171,7 +170,7 @@ def _finish_distributed() -> None:
 
 def _dump_result(rank: int, value: Any) -> bytes:
     try:
-        return bytes(cloudpickle.dumps(value))
+        return pickling.dumps(value)
     except Exception as error:
         raise TypeError(
             f"the value returned on rank {rank} ({type(value).__name__}) cannot be pickled "
@@ -185,7 +184,7 @@ def error_message(error: BaseException, rank: int) -> dict[str, Any]:
     while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCHER_FRAMES:
         tb = tb.tb_next
     try:
-        pickled: bytes | None = bytes(cloudpickle.dumps(error))
+        pickled: bytes | None = pickling.dumps(error)
     except Exception:  # noqa: BLE001 - the parent falls back to WorkerError
         pickled = None
     return {
