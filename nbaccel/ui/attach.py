@@ -6,14 +6,17 @@ the run, shows them in the calling cell and starts their threads. On XLA the wor
 their device memory themselves; a subscriber hands their ``DeviceMemory`` events to the
 sampler's source. ``dashboard_for(run)`` finds that dashboard again (notebook tests read
 its widgets; ``Dashboard.model_ids`` names them in a saved notebook's widget state).
-Imported only when a dashboard is wanted.
+``ShownDashboards`` closes dashboards whose cell has moved on (their summaries stay), so a
+long-lived kernel keeps a bounded number of widgets. Imported only when a dashboard is wanted.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from nbaccel.config.schema import shown_ranks
 from nbaccel.events import DeviceMemory, Event
@@ -24,6 +27,7 @@ from nbaccel.ui.dashboard_model import DashboardModel
 from nbaccel.ui.memory import MemorySampler, ReportedMemory, memory_source
 
 _dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictionary()
+MAX_LIVE_DASHBOARDS = 8  # beyond this many, the oldest dashboards close
 
 
 def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) -> Dashboard:
@@ -58,8 +62,58 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
     _dashboards[run] = dashboard
     run.subscribe(dashboard)
     if show and in_kernel():  # outside a kernel there is no frontend to show it in
+        _SHOWN.add(dashboard, _cell_key())
         dashboard.show()
+    if not blocking:  # nothing can reach its widgets once the Run is gone
+        weakref.finalize(run, dashboard.close)
     return dashboard
+
+
+class ShownDashboards:
+    """The dashboards shown in this kernel, so that their widgets do not pile up.
+
+    ipywidgets keeps every widget (and each widget's layout and style) until it is closed:
+    21 launches left 777 of them. A dashboard is closed, leaving its static summary in its
+    cell, when a newer one is shown from the same cell (the cell ran again, or a loop in it
+    launched again), or when more than ``limit`` newer ones exist. Weak references: a closed
+    dashboard is freed with its run.
+    """
+
+    def __init__(self, limit: int = MAX_LIVE_DASHBOARDS) -> None:
+        self.limit = limit
+        self._by_cell: weakref.WeakValueDictionary[str, Dashboard] = weakref.WeakValueDictionary()
+        self._order: list[weakref.ref[Dashboard]] = []
+
+    def add(self, dashboard: Dashboard, cell: str | None) -> None:
+        if cell is not None:
+            previous = self._by_cell.get(cell)
+            if previous is not None:
+                previous.close()
+            self._by_cell[cell] = dashboard
+        live = [ref for ref in self._order if (d := ref()) is not None and not d.closed]
+        self._order = [*live, weakref.ref(dashboard)]
+        while len(self._order) > self.limit:
+            oldest = self._order.pop(0)()
+            if oldest is not None:
+                oldest.close()
+
+
+_SHOWN = ShownDashboards()
+
+
+def _cell_key() -> str | None:
+    """What identifies the cell a launch runs in: JupyterLab's and VS Code's cell id, else
+    the execute request (so a loop in one cell still counts as one cell)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    kernel = getattr(shell, "kernel", None)
+    try:
+        parent: dict[str, Any] = kernel.get_parent() if kernel is not None else {}
+    except Exception:  # noqa: BLE001 - an unusual kernel: no cell rule, the limit remains
+        return None
+    cell = (parent.get("metadata") or {}).get("cellId")
+    message = (parent.get("header") or {}).get("msg_id")
+    return str(cell or message) if (cell or message) else None
 
 
 def dashboard_for(run: Run) -> Dashboard | None:

@@ -82,6 +82,7 @@ class Dashboard(DashboardWidgets):
         self._rank, self._metric = rank, ""
         self._metric_chosen = False  # the user picked a metric: stop preferring "loss"
         self._stopping = self._writing = self._ended = self._started = False
+        self._closed = self._widgets_closed = False
         self._stop_clicked = False
         self._next_text = self._next_image = 0.0
         self._dirty_text = self._dirty_images = True
@@ -107,6 +108,8 @@ class Dashboard(DashboardWidgets):
         The threads start with the run (``RunStarted``), so a launch that fails to start
         leaves none behind.
         """
+        if self._closed:
+            return  # its cell shows only the summary now: nothing to update
         self._put(event, urgent=isinstance(event, (RunStarted, RunEnded)))
         if isinstance(event, WorkerStarted) and self._sampler is not None:
             self._sampler.wake()  # the worker's pid is known now: read its memory at once
@@ -133,6 +136,33 @@ class Dashboard(DashboardWidgets):
             self._stop_clicked = True  # once: the button is disabled only when the UI catches up
             self._stop()
             self._put(("stop", True), urgent=True)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (its widgets are closed or about to be)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Close every widget of this dashboard (the static summary stays in its cell), so
+        a long-lived kernel does not keep them. From any thread: a running UI thread closes
+        them itself, between two writes; the run, if still going, is not affected."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            self._put(("close", None), urgent=True)
+        else:
+            self._close_now()
+
+    def _close_now(self) -> None:
+        if self._widgets_closed:
+            return
+        self._widgets_closed = True
+        if self._sampler is not None:
+            self._sampler.stop()
+        self.close_widgets()
+        self._finished.set()  # nobody waits for a summary that will not come
 
     # ----- the UI thread ------------------------------------------------------------
     def start(self) -> None:
@@ -168,6 +198,13 @@ class Dashboard(DashboardWidgets):
             self._wake.set()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._closed:  # asked while the loop was ending: close here, once
+                self._close_now()
+
+    def _serve(self) -> None:
         reported = False
         while not self._finished.is_set():
             self._wake.wait(self._wait_time())
@@ -196,6 +233,11 @@ class Dashboard(DashboardWidgets):
         """Apply queued events; write the parts that are due at ``now`` (all if ``force``)."""
         now = self._clock() if now is None else now
         flushes = self._drain()
+        if self._closed:
+            self._close_now()
+            for done in flushes:
+                done.set()
+            return
         force = force or bool(flushes) or self._ended
         if force or now >= self._next_text:
             self._write_text()
@@ -224,9 +266,9 @@ class Dashboard(DashboardWidgets):
                 elif kind == "metric":
                     self._metric, self._metric_chosen = value, True
                     self._dirty_images = True
-                else:
+                elif kind == "stop":
                     self._stopping = True
-                self._dirty_text = True
+                self._dirty_text = True  # ("close", None) only wakes the thread: see tick
             elif item is not None:
                 self.model.handle(item)
                 self._ended = self._ended or isinstance(item, RunEnded)

@@ -76,12 +76,27 @@ class DashboardWidgets:
             "nbaccel-dashboard",
         )
 
+    def close_widgets(self) -> None:
+        """Close every widget of the tree: the parts, their containers, and the layout and
+        style models each one holds (ipywidgets keeps all of them alive until closed)."""
+        _close_tree(self.widget)
+
     @property
     def model_ids(self) -> dict[str, str]:
         """Widget model ids by part, to find them in a notebook's stored widget state."""
         parts = "widget header rank_selector stop_button log errors metric_selector"
         parts += " metric_value curve memory_text memory"
         return {part: getattr(self, part).model_id for part in parts.split()}
+
+
+def _close_tree(widget: Any) -> None:
+    for child in getattr(widget, "children", ()):
+        _close_tree(child)
+    for name in ("layout", "style"):
+        part = getattr(widget, name, None)
+        if isinstance(part, widgets.Widget):
+            part.close()
+    widget.close()
 
 
 def _hidden_image() -> Any:

@@ -132,6 +132,27 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
                 nbaccel.notebook_launcher(progress, num_processes=2, **OUT)
                 """),
             ),
+            (
+                "widgets-one",
+                _src("""
+                from ipywidgets.widgets import widget as widget_module
+
+                BEFORE = len(widget_module._instances)
+                WIDGETS = {"runs_dir": RUNS, "dashboard": True}
+                nbaccel.notebook_launcher(train, args=(2,), num_processes=2, **WIDGETS)
+                ONE = len(widget_module._instances) - BEFORE
+                ONE
+                """),
+            ),
+            (
+                "widgets-loop",
+                _src("""
+                START = len(widget_module._instances)
+                for _ in range(10):
+                    nbaccel.notebook_launcher(train, args=(2,), num_processes=2, **WIDGETS)
+                len(widget_module._instances) - START
+                """),
+            ),
             ("torch-free", '"torch" in sys.modules'),
         ]
     )
@@ -283,3 +304,15 @@ def test_output_is_streamed_while_the_ranks_still_run(
     cells.assert_ok(cell)
     assert cells.result(cell) == "'went'"
     assert go_file.exists()
+
+
+def test_launches_in_a_loop_do_not_pile_up_widgets(executed: NotebookNode, cells: Any) -> None:
+    # Each dashboard is ~40 widgets (parts, containers, layouts, styles) that ipywidgets
+    # keeps until closed; a newer launch from the same cell closes the previous dashboard
+    # (its static summary stays in the cell).
+    one, loop = cells.cell(executed, "widgets-one"), cells.cell(executed, "widgets-loop")
+    cells.assert_ok(one)
+    cells.assert_ok(loop)
+    per_dashboard = int(cells.result(one))
+    assert per_dashboard >= 20
+    assert int(cells.result(loop)) == per_dashboard  # the loop's last dashboard, not ten

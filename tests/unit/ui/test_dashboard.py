@@ -525,3 +525,91 @@ def test_the_estimate_for_the_prepared_model_is_shown_next_to_the_readings() -> 
         model.memory, estimate=model.estimate
     )
     assert "estimate (model states, per device)" in summary_text(model)
+
+
+# ----- widget lifetime in a long-lived kernel --------------------------------------------
+def live_widgets() -> int:
+    from ipywidgets.widgets import widget
+
+    return len(widget._instances)  # ipywidgets 8: every open widget (layouts and styles too)
+
+
+def test_closing_a_dashboard_closes_every_widget_it_made() -> None:
+    before = live_widgets()
+    dash, _ = make_dashboard()
+    assert live_widgets() - before >= 20  # parts, containers, their layouts and styles
+    dash.close()
+    assert live_widgets() == before and dash.closed
+    dash(line(0, "after the close"))  # ignored, never written to a closed widget
+    dash.tick(force=True)
+    assert dash.visible_log == []
+
+
+def test_closing_while_the_ui_thread_runs(sent: list[Any]) -> None:
+    before = live_widgets()
+    dash = Dashboard(DashboardModel(world_size=1))
+    dash(RunStarted("run-1", 1, "/tmp/run-1", 0.0))  # starts the UI thread
+    dash(line(0, "working"))
+    closer = threading.Thread(target=dash.close)  # e.g. a finalizer on another thread
+    closer.start()
+    closer.join(timeout=10)
+    assert dash.wait_finished(timeout=10)
+    assert dash._thread is not None
+    dash._thread.join(timeout=10)
+    assert not dash._thread.is_alive() and live_widgets() == before
+    dash(RunEnded(RunState.SUCCEEDED, None, 0.1, 0.1))  # returns at once: no summary to wait for
+
+
+@pytest.fixture
+def shown_in_a_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """attach_dashboard as in a kernel: shown (display itself is skipped), from a cell
+    whose key the test sets by appending to the returned list."""
+    from nbaccel.ui import attach
+
+    cells: list[str | None] = ["cell-1"]
+    monkeypatch.setattr(attach, "in_kernel", lambda: True)
+    monkeypatch.setattr(attach, "_cell_key", lambda: cells[-1])
+    monkeypatch.setattr(attach, "_SHOWN", attach.ShownDashboards(limit=8))
+    monkeypatch.setattr(Dashboard, "show", lambda self: None)
+    return cells
+
+
+def test_twenty_launches_from_one_cell_keep_one_live_dashboard(
+    shown_in_a_kernel: list[str | None],
+) -> None:
+    before = live_widgets()
+    dashboards = [attach_dashboard(FakeRun(), blocking=True, gpus=0) for _ in range(20)]  # type: ignore[arg-type]
+    per_dashboard = live_widgets() - before
+    assert [d.closed for d in dashboards] == [True] * 19 + [False]
+    dashboards[-1].close()
+    assert live_widgets() == before
+    assert per_dashboard < 60  # one dashboard's worth, not twenty
+
+
+def test_launches_from_many_cells_keep_at_most_eight_live(
+    shown_in_a_kernel: list[str | None],
+) -> None:
+    before = live_widgets()
+    first = attach_dashboard(FakeRun(), blocking=True, gpus=0)  # type: ignore[arg-type]
+    per_dashboard = live_widgets() - before
+    dashboards = [first]
+    for i in range(20):
+        shown_in_a_kernel.append(f"cell-{i + 2}")
+        dashboards.append(attach_dashboard(FakeRun(), blocking=True, gpus=0))  # type: ignore[arg-type]
+    assert sum(not d.closed for d in dashboards) == 8
+    assert live_widgets() - before == 8 * per_dashboard
+    for dashboard in dashboards:
+        dashboard.close()
+    assert live_widgets() == before
+
+
+def test_a_dropped_run_closes_its_non_blocking_dashboard() -> None:
+    import gc
+
+    before = live_widgets()
+    run = FakeRun()
+    dash = attach_dashboard(run, blocking=False, gpus=0)  # type: ignore[arg-type]
+    assert live_widgets() > before and not dash.closed
+    del run
+    gc.collect()
+    assert dash.closed and live_widgets() == before
