@@ -155,6 +155,12 @@ class Config:
         "nbaccel_runs",
         "Folder under which each run gets its own run_dir (config, per-rank logs, events).",
     )
+    metrics_in_memory: int = schema_field(
+        10_000,
+        "How many of rank 0's latest logged metrics run.metrics keeps in the kernel's memory; "
+        "older ones are read back from run_dir/events.jsonl when asked for.",
+        minimum=0,
+    )
 
     def __post_init__(self) -> None:
         for opt in options():

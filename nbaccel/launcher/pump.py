@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +75,8 @@ class RunPump:
     _xla: XlaPlan | None
     _state: RunState
     _subscribers: list[Subscriber]
-    _metrics: list[dict[str, Any]]
+    _metrics: deque[dict[str, Any]]
+    _metrics_seen: int
     _metrics_lock: threading.Lock
     _done: threading.Event
     _inbox: queue.SimpleQueue[dict[str, Any]]
@@ -132,8 +134,9 @@ class RunPump:
                         self._read(selector, *key.data)
                 while not self._inbox.empty():
                     self._handle(self._inbox.get(), selector)
-                if self._events_file is not None:
-                    self._events_file.flush()
+                with self._metrics_lock:
+                    if self._events_file is not None:
+                        self._events_file.flush()
                 self._tick()
         finally:
             selector.close()
@@ -190,12 +193,12 @@ class RunPump:
             self._emit(ModelPrepared(r.rank, message["num_params"], message["time"]))
         elif kind == "metric":
             event = Metric(r.rank, message["step"], message["values"], message["time"])
+            entry = {"event": "metric", "rank": r.rank, "step": message["step"]}
+            self._record({**entry, "values": message["values"]})
             if r.rank == 0:
                 with self._metrics_lock:
                     self._metrics.append({**message["values"], "step": message["step"]})
-            self._record(
-                {"event": "metric", "rank": r.rank, "step": message["step"], **message["values"]}
-            )
+                    self._metrics_seen += 1
             self._emit(event)
         elif kind == "result":
             r.result, r.has_result = message["value"], True
@@ -294,9 +297,10 @@ class RunPump:
                     os.close(fd)
             r.log_fd = r.event_fd = -1
             r.log_file.close()
-        if self._events_file is not None:
-            self._events_file.close()
-            self._events_file = None
+        with self._metrics_lock:
+            if self._events_file is not None:
+                self._events_file.close()
+                self._events_file = None
         with self._wake_lock:
             os.close(self._wake_read)
             os.close(self._wake_write)
@@ -311,5 +315,22 @@ class RunPump:
                 print(f"nbaccel: a run subscriber failed: {error!r}", file=sys.__stderr__)
 
     def _record(self, entry: dict[str, Any]) -> None:
-        if self._events_file is not None:
-            self._events_file.write(json.dumps({"time": time.time(), **entry}) + "\n")
+        with self._metrics_lock:  # run.metrics may flush the file from another thread
+            if self._events_file is not None:
+                self._events_file.write(json.dumps({"time": time.time(), **entry}) + "\n")
+
+
+def read_metrics(events: Path, *, rank: int, limit: int | None = None) -> list[dict[str, Any]]:
+    """A rank's metric records from a run's ``events.jsonl``, in order: the logged values
+    plus ``step`` (the first ``limit`` of them)."""
+    found: list[dict[str, Any]] = []
+    with open(events) as lines:
+        for line in lines:
+            if limit is not None and len(found) >= limit:
+                break
+            if '"metric"' not in line:
+                continue  # most lines are not metrics: skip parsing them
+            record = json.loads(line)
+            if record.get("event") == "metric" and record.get("rank") == rank:
+                found.append({**record["values"], "step": record["step"]})
+    return found

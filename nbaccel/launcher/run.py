@@ -13,6 +13,7 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.helper import HelperProcess
-from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
+from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber, read_metrics
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.xla_plan import XlaPlan
 
@@ -53,7 +54,10 @@ class Run(RunPump):
         self.xla_device = xla.device if xla else None
         self._state = RunState.PENDING
         self._subscribers: list[Subscriber] = []
-        self._metrics: list[dict[str, Any]] = []
+        # Rank 0's latest metrics; all of them are in events.jsonl (the lock also guards
+        # that file's writes, so a reader can flush it).
+        self._metrics: deque[dict[str, Any]] = deque(maxlen=config.metrics_in_memory)
+        self._metrics_seen = 0
         self._metrics_lock = threading.Lock()
         self._done = threading.Event()
         self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
@@ -81,9 +85,18 @@ class Run(RunPump):
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
-        """Records logged on rank 0, in order: the logged values plus ``step``."""
+        """Records logged on rank 0, in order: the logged values plus ``step``.
+
+        The latest ``metrics_in_memory`` stay in memory; when more were logged, the whole
+        list is read back from ``run_dir/events.jsonl``.
+        """
         with self._metrics_lock:
-            return list(self._metrics)
+            if self._metrics_seen == len(self._metrics):
+                return list(self._metrics)
+            seen = self._metrics_seen
+            if self._events_file is not None:
+                self._events_file.flush()
+        return read_metrics(self.run_dir / "events.jsonl", rank=0, limit=seen)
 
     @property
     def exit_code(self) -> int | None:

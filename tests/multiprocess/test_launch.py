@@ -363,3 +363,20 @@ def test_workers_report_their_pids_when_they_start(runs_dir: str) -> None:
     assert run.worker_pids == {} or set(run.worker_pids) <= {0, 1}
     assert run.results(timeout=60) == run.worker_pids
     assert len(set(run.worker_pids.values())) == 2
+
+
+def log_many(count: int) -> int:
+    for step in range(count):
+        nbaccel.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+    return count
+
+
+def test_many_metrics_stay_out_of_the_kernel_memory_yet_all_come_back(runs_dir: str) -> None:
+    run = nbaccel.launch(
+        log_many, args=(1000,), num_processes=2, metrics_in_memory=100, runs_dir=runs_dir
+    )
+    assert run.result(timeout=120) == 1000
+    metrics = run.metrics
+    assert [m["step"] for m in metrics] == list(range(1000))
+    assert metrics[-1] == {"loss": 1.0 / 1000, "step": 999}
+    assert len(run._metrics) == 100  # the window: the rest is read from events.jsonl

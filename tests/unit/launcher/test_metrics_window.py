@@ -1,0 +1,52 @@
+"""run.metrics keeps a bounded window in memory and reads the rest back from events.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nbaccel.config.schema import Config
+from nbaccel.launcher.pump import RankPipes
+from nbaccel.launcher.run import Run
+from nbaccel.launcher.run_folder import private_file
+
+
+def logged(run: Run, rank: int, step: int, values: dict[str, float]) -> None:
+    """What the pump does with a worker's metric message."""
+    pipes = RankPipes(rank, log_file=None, log_fd=-1, event_fd=-1)
+    run._on_worker_message(pipes, {"kind": "metric", "step": step, "values": values, "time": 0})
+
+
+def test_a_long_run_keeps_a_window_and_still_returns_every_metric(tmp_path: Path) -> None:
+    run = Run("r", tmp_path, Config(metrics_in_memory=5), world_size=2)
+    run._events_file = private_file(tmp_path / "events.jsonl", "a")
+    expected = []
+    for step in range(12):
+        # Names that events.jsonl's own fields use must survive the round trip.
+        values = {"loss": 1 / (step + 1), "rank": 0.0, "step": -1.0, "time": 9.0}
+        logged(run, 0, step, values)
+        logged(run, 1, step, {"loss": 5.0})
+        expected.append({**values, "step": step})
+        assert run.metrics == expected  # while running: flushed and read back
+        assert len(run._metrics) == min(step + 1, 5)
+    run._events_file.close()
+    run._events_file = None
+    assert run.metrics == expected  # after the run: from the file
+
+
+def test_within_the_window_nothing_is_read_from_disk(tmp_path: Path) -> None:
+    run = Run("r", tmp_path, Config(), world_size=1)
+    run._events_file = private_file(tmp_path / "events.jsonl", "a")
+    logged(run, 0, 0, {"loss": 1.0})
+    (tmp_path / "events.jsonl").unlink()  # would fail a read
+    assert run.metrics == [{"loss": 1.0, "step": 0}]
+    run._events_file.close()
+
+
+def test_a_zero_window_keeps_nothing_in_memory(tmp_path: Path) -> None:
+    run = Run("r", tmp_path, Config(metrics_in_memory=0), world_size=1)
+    run._events_file = private_file(tmp_path / "events.jsonl", "a")
+    for step in range(3):
+        logged(run, 0, step, {"loss": float(step)})
+    assert len(run._metrics) == 0
+    assert [m["loss"] for m in run.metrics] == [0.0, 1.0, 2.0]
+    run._events_file.close()
