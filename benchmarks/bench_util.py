@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 
 def median(values: list[float]) -> float | None:
@@ -51,3 +55,50 @@ def run_command(
             process.communicate()
             raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def start_driver(
+    command: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a driver process in its own session, its output (both streams) to ``log_path``."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            command,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.01) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` s pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (nbaccel's helper, stray workers) are re-parented here."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def sweep_descendants(grace: float) -> list[str]:
+    """Wait ``grace`` s for every process under this one to end, kill the rest (and wait
+    for them); returns what had to be killed."""
+    import psutil
+
+    _, running = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=grace)
+    killed = []
+    for process in running:
+        with contextlib.suppress(psutil.Error):
+            killed.append(f"{process.pid} {' '.join(process.cmdline())[:80]}")
+            process.kill()
+    psutil.wait_procs(running, timeout=5.0)
+    return killed

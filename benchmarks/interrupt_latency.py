@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -45,12 +44,21 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
-from bench_util import median, progress, seconds, tail, verdict
+from bench_util import (
+    become_subreaper,
+    median,
+    progress,
+    seconds,
+    start_driver,
+    sweep_descendants,
+    tail,
+    verdict,
+    wait_until,
+)
 
 SCRIPT = str(Path(__file__).resolve())
 WAYS = ("nbaccel-cold", "nbaccel-warm", "accelerate", "spawn")
@@ -170,12 +178,6 @@ def run_driver(way: str, pids_prefix: str) -> None:
 # --------------------------------------------------------------------------- process care
 
 
-def become_subreaper() -> None:
-    """Orphaned descendants (nbaccel's helper, stray workers) are re-parented here."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-
-
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -193,22 +195,6 @@ def describe(pid: int) -> str:
     with contextlib.suppress(psutil.Error):
         return f"{pid} {' '.join(psutil.Process(pid).cmdline())[:100]}"
     return f"{pid} (gone)"
-
-
-def sweep_descendants() -> None:
-    for pid in descendants_alive(0.0):
-        with contextlib.suppress(psutil.Error):
-            psutil.Process(pid).kill()
-    descendants_alive(5.0)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(POLL_S)
-    return True
 
 
 def reports(log_path: Path) -> dict[str, Any]:
@@ -229,16 +215,9 @@ def measure(way: str, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="interrupt_latency-") as scratch:
         prefix, log_path = os.path.join(scratch, "pids"), Path(scratch, "driver.log")
         env = {**os.environ, "ACCELERATE_USE_CPU": "true"} if way == "accelerate" else None
-        with open(log_path, "w") as log:
-            driver = subprocess.Popen(
-                [sys.executable, SCRIPT, "--driver", way, "--pids", prefix],
-                env=env,
-                cwd=scratch,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        driver = start_driver(
+            [sys.executable, SCRIPT, "--driver", way, "--pids", prefix], log_path, env, scratch
+        )
         try:
             files = [Path(f"{prefix}.{rank}") for rank in range(WORLD_SIZE)]
             ready = wait_until(
@@ -277,7 +256,7 @@ def measure(way: str, timeout: float) -> dict[str, Any]:
                 os.killpg(driver.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 driver.wait(10)
-            sweep_descendants()
+            sweep_descendants(grace=0.0)
 
 
 def collect(ways: list[str], repeats: int, peer_repeats: int, timeout: float) -> dict[str, Any]:

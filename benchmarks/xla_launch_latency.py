@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
@@ -85,7 +84,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench_util import median, progress, run_command, seconds, tail, verdict
+from bench_util import (
+    become_subreaper,
+    median,
+    progress,
+    run_command,
+    seconds,
+    start_driver,
+    sweep_descendants,
+    tail,
+    verdict,
+    wait_until,
+)
 
 # Only the standard library at the top: torch_xla's spawn start method re-imports this
 # script in each worker, as it would a user's small module holding the function.
@@ -255,40 +265,10 @@ def run_interrupt_driver(kind: str, pids_path: str) -> None:
 # --------------------------------------------------------------------------- process care
 
 
-def become_subreaper() -> None:
-    """Orphaned descendants (nbaccel's helper, supervisors, pools) are re-parented here."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-
-
-def sweep_descendants(grace: float = LEFTOVER_GRACE_S) -> list[str]:
-    """Kill every process still under this one after ``grace`` s; their descriptions."""
-    import psutil
-
-    left = psutil.Process().children(recursive=True)
-    _, alive = psutil.wait_procs(left, timeout=grace)
-    names = []
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            names.append(f"{process.pid} {' '.join(process.cmdline())[:80]}")
-            process.kill()
-    psutil.wait_procs(alive, timeout=5)
-    return names
-
-
 def xla_env(devices: int) -> dict[str, str]:
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices)}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # XLA's C++ warnings would bury a failure's trace
     return env
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, poll: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll)
-    return True
 
 
 # --------------------------------------------------------------------------- orchestrator
@@ -303,7 +283,7 @@ def run_way(way: str, later: int) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         return {"way": way, "failed": f"driver timed out after {timeout:.0f} s"}
     finally:
-        leftovers = sweep_descendants()
+        leftovers = sweep_descendants(grace=LEFTOVER_GRACE_S)
         if leftovers:
             progress(f"  {way}: killed {len(leftovers)} leftover process(es): {leftovers}")
     reports = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
@@ -324,7 +304,7 @@ def probe_imports() -> dict[str, float]:
     try:
         done = run_command([sys.executable, "-c", code], IMPORT_TIMEOUT_S, xla_env(1))
     finally:
-        sweep_descendants(grace=0)
+        sweep_descendants(grace=0.0)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"import torch, torch_xla failed:\n{tail(done.stderr)}")
@@ -340,15 +320,7 @@ def measure_interrupt(kind: str) -> dict[str, Any]:
         pids_path = os.path.join(scratch, "pids")
         log_path = Path(scratch, "driver.log")
         command = [sys.executable, SCRIPT, "--interrupt-driver", kind, "--pids", pids_path]
-        with open(log_path, "w") as log:
-            process = subprocess.Popen(
-                command,
-                env=xla_env(devices),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        process = start_driver(command, log_path, xla_env(devices))
         try:
             files = [Path(f"{pids_path}.{ordinal}") for ordinal in range(devices)]
             started = wait_until(
@@ -392,7 +364,7 @@ def measure_interrupt(kind: str) -> dict[str, Any]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
-            sweep_descendants(grace=0)
+            sweep_descendants(grace=0.0)
 
 
 def collect(ways: list[str], rounds: int, later: int, interrupts: bool) -> dict[str, Any]:
