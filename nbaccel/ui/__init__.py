@@ -4,6 +4,7 @@ Importing this package imports nothing else: ``nbaccel.launch`` asks ``nbaccel.u
 (no ipywidgets import) how to show a run, which loads ``nbaccel.ui.attach`` (ipywidgets;
 then matplotlib on the dashboard's own thread) only when widgets are shown.
 
+- ``kernel``: whether this runs in a Jupyter kernel, and whether ipywidgets is installed.
 - ``choose``: widgets or text for a launch (``dashboard="auto"`` / "text" / True / False),
   as the ``show`` callback the launcher calls with the new run.
 - ``attach``: ``attach_dashboard(run, ...)`` (what a launch in a kernel does) and

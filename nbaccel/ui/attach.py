@@ -21,9 +21,9 @@ from typing import Any
 from nbaccel.config.schema import shown_ranks
 from nbaccel.events import DeviceMemory, Event
 from nbaccel.launcher.run import Run
-from nbaccel.ui.choose import in_kernel
 from nbaccel.ui.dashboard import Dashboard
 from nbaccel.ui.dashboard_model import DashboardModel
+from nbaccel.ui.kernel import in_kernel
 from nbaccel.ui.memory import MemorySampler, ReportedMemory, memory_source
 
 _dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictionary()

@@ -9,7 +9,6 @@ before anything starts if ipywidgets is missing. Imports neither ipywidgets nor 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from nbaccel.config.schema import shown_ranks
@@ -17,30 +16,11 @@ from nbaccel.errors import ConfigError
 from nbaccel.launcher.api import Display
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
+from nbaccel.ui.kernel import in_kernel, widgets_installed
 
 DASHBOARD_CHOICES = ("auto", "text", True, False)
 
 INSTALL_HINT = "pip install nbaccel[notebook]"
-
-
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel (where widgets can render).
-
-    >>> in_kernel()  # doctest runs in a plain interpreter
-    False
-    """
-    ipython = sys.modules.get("IPython")  # a kernel has imported it; never import it here
-    if ipython is None:
-        return False
-    shell = ipython.get_ipython()
-    return shell is not None and any(
-        cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__
-    )
-
-
-def widgets_installed() -> bool:
-    """Whether ipywidgets can be imported (looked up, not imported)."""
-    return importlib.util.find_spec("ipywidgets") is not None
 
 
 def wants_widgets(dashboard: str | bool) -> bool:
