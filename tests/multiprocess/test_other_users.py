@@ -32,7 +32,8 @@ def as_another_user() -> list[str]:
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A temp folder other users can search (pytest's tmp_path is private to its owner)."""
-    folder = Path(tempfile.mkdtemp(prefix="nbaccel-perm-"))
+    # Under /tmp itself: a test run's own TMPDIR may be private (CI's is 0700).
+    folder = Path(tempfile.mkdtemp(prefix="nbaccel-perm-", dir="/tmp"))
     folder.chmod(0o755)
     yield folder
     for path in folder.rglob("*"):
