@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nbaccel.accel import sharded_checkpoint
-from nbaccel.accel.checkpoint_files import fsync_file, inside, publish, write_durably
+from nbaccel.accel.checkpoint_files import fsync_file, inside, publish
 
 FORMAT = 1
 LATEST = "LATEST"
@@ -123,16 +123,16 @@ def save_state(
             optimizer.consolidate_state_dict(to=0)
     if rank == 0 and objects.layout == "plain":
         for i, model in enumerate(objects.models):
-            _save(host(model.state_dict()), staging / f"model_{i}.pt")
+            torch.save(host(model.state_dict()), staging / f"model_{i}.pt")
         for i, optimizer in enumerate(objects.optimizers):
-            _save(host(optimizer.state_dict()), staging / f"optimizer_{i}.pt")
+            torch.save(host(optimizer.state_dict()), staging / f"optimizer_{i}.pt")
     if rank == 0:
         for i, scheduler in enumerate(objects.schedulers):
-            _save(host(scheduler.state_dict()), staging / f"scheduler_{i}.pt")
+            torch.save(host(scheduler.state_dict()), staging / f"scheduler_{i}.pt")
         if objects.scaler is not None:
-            _save(objects.scaler.state_dict(), staging / "scaler.pt")
+            torch.save(objects.scaler.state_dict(), staging / "scaler.pt")
         for i, obj in enumerate(objects.custom):
-            _save(host(obj.state_dict()), staging / f"custom_{i}.pt")
+            torch.save(host(obj.state_dict()), staging / f"custom_{i}.pt")
         meta = {
             "format": FORMAT,
             "layout": objects.layout,
@@ -141,20 +141,22 @@ def save_state(
             "progress": progress,
             "dataloaders": [loader.state_dict() for loader in objects.dataloaders],
         }
-        write_durably(staging / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     randomness = rng_states()
     if hooks is not None:
         randomness["device"] = hooks.rng_state()
-    _save(randomness, staging / f"random_states_{rank}.pt")
+    random_file = staging / f"random_states_{rank}.pt"
+    torch.save(randomness, random_file)
+    # The one file every rank writes: on storage shared between machines only the machine
+    # that wrote it can flush it. Rank 0's own files are flushed by publish() below.
+    fsync_file(random_file)
     barrier()  # every rank's files are in the staging folder
     final = root / f"state-{name}"
     if rank == 0:
-        # Each rank fsynced the files it wrote itself (_save; DCP syncs its own shards): on
-        # storage shared between machines only the writing machine can flush its cache. Rank
-        # 0 now fsyncs the whole folder once more, which covers files other writers put there
-        # (DCP's .metadata, DeepSpeed's engine) and every folder's entries, then renames it
-        # and moves LATEST, durably at each step. After the barrier nobody writes there, so
-        # the walk races with nothing.
+        # Every file and folder of the state is fsynced here (rank 0's, DCP's metadata,
+        # DeepSpeed's; the other ranks flushed their own, and DCP syncs its shards), then the
+        # folder is renamed and LATEST moved, durably at each step. After the barrier nobody
+        # writes there, so the walk races with nothing.
         publish(root, staging, final, LATEST)
         for old in root.glob("state-*"):
             if old != final:
@@ -165,12 +167,6 @@ def save_state(
         # seed was read: go on from the seed as saved, where a loading run goes on from.
         hooks.set_rng_state(randomness["device"])
     return final
-
-
-def _save(state: Any, path: Path) -> None:
-    # torch.save, then fsync: the data must be on the disk before the commit point names it.
-    torch.save(state, path)
-    fsync_file(path)
 
 
 def _agree_on_name(root: Path, rank: int, share: Callable[[str], str]) -> str:

@@ -194,18 +194,13 @@ class Helper:
             # The worker led its own process group: take down what it left (DataLoader workers).
             _signal_group(pid, signal.SIGKILL)
             run_id, rank = owner
+            status_code = os.waitstatus_to_exitcode(status)
+            # The exit first (the run names its first failing rank by it), then the scan.
+            self.reply({"op": "exited", "run": run_id, "rank": rank, "status": status_code})
             # Its children that left its group are ours now: they end when the run ends.
             self.orphans.adopt_new_children(run_id, self.known_children())
             if not any(run == run_id for run, _ in self.workers.values()):
                 self.orphans.end_run(run_id, time.monotonic())
-            self.reply(
-                {
-                    "op": "exited",
-                    "run": run_id,
-                    "rank": rank,
-                    "status": os.waitstatus_to_exitcode(status),
-                }
-            )
 
     def known_children(self) -> set[int]:
         """Children that are not orphans: workers and spares."""

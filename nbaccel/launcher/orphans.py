@@ -83,9 +83,6 @@ class Orphans:
             self._signal_group(pid, signal.SIGKILL)
         return late
 
-    def __contains__(self, pid: object) -> bool:
-        return pid in self._runs
-
     def _terminate(self, pids: Collection[int], now: float) -> None:
         for pid in pids:
             if pid not in self._kill_at:
