@@ -9,6 +9,9 @@ seconds and writes into ``os.environ``).
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,12 +127,11 @@ def _read(path: Path) -> str:
         return ""
 
 
+@functools.cache  # read once per process: every worker of every launch asks
 def loopback_interface() -> str | None:
     """The name of the network interface that holds 127.0.0.1 ("lo" on Linux, "lo0" on
     macOS), or None if there is none (psutil reads it; nothing is opened)."""
-    import socket
-
-    import psutil
+    import psutil  # only when asked: importing nbaccel stays light
 
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
@@ -139,8 +141,6 @@ def loopback_interface() -> str | None:
 
 def usable_cpu_cores() -> int:
     """Cores this process may run on (a container's CPU set, not the host's count)."""
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux

@@ -21,7 +21,7 @@ from typing import Any
 import nbaccel
 from nbaccel.config.files import accelerate_default_file, default_file, nbaccel_default_file
 from nbaccel.config.schema import Config
-from nbaccel.devices import TPUInfo, detect_tpu, visible_gpu_count
+from nbaccel.devices import TPUInfo, detect_tpu, usable_cpu_cores, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.xla_plan import check_versions, plan_xla, uses_xla
 
@@ -224,8 +224,11 @@ def _gpu_names() -> list[str]:
 
 
 def _cpu() -> dict[str, Any]:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpu: dict[str, Any] = {"logical": os.cpu_count(), "physical": None, "usable": usable}
+    cpu: dict[str, Any] = {
+        "logical": os.cpu_count(),
+        "physical": None,
+        "usable": usable_cpu_cores(),
+    }
     cpu.update(memory_total_gib=None, memory_available_gib=None)
     try:
         import psutil

@@ -183,9 +183,7 @@ def worker_env(
     # What Hugging Face Accelerate reads, so code written for it runs unchanged.
     env.update(accelerate_env(config, on_cpu=on_cpu))
     # Threads are sized once per worker (torch.set_num_threads reads this in the worker).
-    env.setdefault(
-        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // context.local_world_size))
-    )
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpu_cores() // context.local_world_size)))
     env["PYTHONUNBUFFERED"] = "1"
     # gloo (and NCCL's bootstrap) bind to whatever the host name resolves to, a LAN address
     # on many machines, and their ports take no authentication. One machine needs nothing

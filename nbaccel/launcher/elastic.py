@@ -16,7 +16,7 @@ from pathlib import Path
 
 from nbaccel.config.accelerate_compat import accelerate_env
 from nbaccel.config.schema import Config
-from nbaccel.devices import visible_gpu_count
+from nbaccel.devices import usable_cpu_cores, visible_gpu_count
 
 DEFAULT_MULTINODE_PORT = 29500
 
@@ -52,7 +52,7 @@ def launch_machines(
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.NONE, tee=Std.ALL),
     )
     worker_env = accelerate_env(config, on_cpu=config.use_cpu or not gpus)
-    worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_machine)))
+    worker_env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpu_cores() // per_machine)))
     args = ["-u", "-m", "nbaccel.launcher.script", json.dumps(worker_env)]
     args += ["-m", target] if is_module else [target]
     try:

@@ -77,7 +77,7 @@ class RunPump:
     _subscribers: list[Subscriber]
     _metrics: deque[dict[str, Any]]
     _metrics_seen: int
-    _metrics_lock: threading.Lock
+    _records_lock: threading.Lock
     _done: threading.Event
     _inbox: queue.SimpleQueue[dict[str, Any]]
     _wake_read: int
@@ -134,7 +134,7 @@ class RunPump:
                         self._read(selector, *key.data)
                 while not self._inbox.empty():
                     self._handle(self._inbox.get(), selector)
-                with self._metrics_lock:
+                with self._records_lock:
                     if self._events_file is not None:
                         self._events_file.flush()
                 self._tick()
@@ -196,7 +196,7 @@ class RunPump:
             entry = {"event": "metric", "rank": r.rank, "step": message["step"]}
             self._record({**entry, "values": message["values"]})
             if r.rank == 0:
-                with self._metrics_lock:
+                with self._records_lock:
                     self._metrics.append({**message["values"], "step": message["step"]})
                     self._metrics_seen += 1
             self._emit(event)
@@ -297,7 +297,7 @@ class RunPump:
                     os.close(fd)
             r.log_fd = r.event_fd = -1
             r.log_file.close()
-        with self._metrics_lock:
+        with self._records_lock:
             if self._events_file is not None:
                 self._events_file.close()
                 self._events_file = None
@@ -315,7 +315,7 @@ class RunPump:
                 print(f"nbaccel: a run subscriber failed: {error!r}", file=sys.__stderr__)
 
     def _record(self, entry: dict[str, Any]) -> None:
-        with self._metrics_lock:  # run.metrics may flush the file from another thread
+        with self._records_lock:  # run.metrics may flush the file from another thread
             if self._events_file is not None:
                 self._events_file.write(json.dumps({"time": time.time(), **entry}) + "\n")
 

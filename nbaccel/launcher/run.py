@@ -54,11 +54,11 @@ class Run(RunPump):
         self.xla_device = xla.device if xla else None
         self._state = RunState.PENDING
         self._subscribers: list[Subscriber] = []
-        # Rank 0's latest metrics; all of them are in events.jsonl (the lock also guards
-        # that file's writes, so a reader can flush it).
+        # Rank 0's latest metrics; all of them are in events.jsonl. The lock guards both,
+        # so that run.metrics can flush the file from the user's thread.
         self._metrics: deque[dict[str, Any]] = deque(maxlen=config.metrics_in_memory)
         self._metrics_seen = 0
-        self._metrics_lock = threading.Lock()
+        self._records_lock = threading.Lock()
         self._done = threading.Event()
         self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
@@ -90,7 +90,7 @@ class Run(RunPump):
         The latest ``metrics_in_memory`` stay in memory; when more were logged, the whole
         list is read back from ``run_dir/events.jsonl``.
         """
-        with self._metrics_lock:
+        with self._records_lock:
             if self._metrics_seen == len(self._metrics):
                 return list(self._metrics)
             seen = self._metrics_seen

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from nbaccel.errors import ConfigError
 
@@ -32,7 +32,7 @@ def make_run_dir(runs_dir: str, run_id: str) -> Path:
     return run_dir
 
 
-def private_file(path: Path, mode: str = "w") -> Any:
+def private_file(path: Path, mode: str = "w") -> IO[Any]:
     """Open a new file in a run folder that only its owner can read (0600, whatever the
     umask); ``mode`` as for ``open`` ("w", "wb", "a")."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)

@@ -81,21 +81,24 @@ class ShownDashboards:
 
     def __init__(self, limit: int = MAX_LIVE_DASHBOARDS) -> None:
         self.limit = limit
-        self._by_cell: weakref.WeakValueDictionary[str, Dashboard] = weakref.WeakValueDictionary()
-        self._order: list[weakref.ref[Dashboard]] = []
+        self._shown: list[tuple[str | None, weakref.ref[Dashboard]]] = []  # oldest first
 
     def add(self, dashboard: Dashboard, cell: str | None) -> None:
-        if cell is not None:
-            previous = self._by_cell.get(cell)
-            if previous is not None:
-                previous.close()
-            self._by_cell[cell] = dashboard
-        live = [ref for ref in self._order if (d := ref()) is not None and not d.closed]
-        self._order = [*live, weakref.ref(dashboard)]
-        while len(self._order) > self.limit:
-            oldest = self._order.pop(0)()
-            if oldest is not None:
-                oldest.close()
+        live: list[tuple[str | None, weakref.ref[Dashboard]]] = []
+        for shown_cell, ref in self._shown:
+            older = ref()
+            if older is None or older.closed:
+                continue
+            if cell is not None and shown_cell == cell:
+                older.close()  # the cell moved on: its newer dashboard replaces this one
+            else:
+                live.append((shown_cell, ref))
+        live.append((cell, weakref.ref(dashboard)))
+        for _, ref in live[: -self.limit]:
+            older = ref()
+            if older is not None:
+                older.close()
+        self._shown = live[-self.limit :]
 
 
 _SHOWN = ShownDashboards()
