@@ -34,14 +34,19 @@ if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel neve
     from nbaccel.accel import Accelerator, DistributedType
     from nbaccel.ui.config_panel import ConfigPanel  # ipywidgets: loaded on first use too
 
-_WORKER_SIDE = {"Accelerator", "DistributedType"}
+# The worker-side names (they import torch), by the module that defines each: loaded on
+# first use, so ``import nbaccel`` in the kernel stays torch-free.
+_WORKER_SIDE = {
+    "Accelerator": "nbaccel.accel",
+    "DistributedType": "nbaccel.accel",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _WORKER_SIDE:
-        import nbaccel.accel
+        import importlib
 
-        return getattr(nbaccel.accel, name)
+        return getattr(importlib.import_module(_WORKER_SIDE[name]), name)
     if name == "ConfigPanel":
         import nbaccel.ui.config_panel
 

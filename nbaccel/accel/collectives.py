@@ -142,3 +142,12 @@ def pad_across_processes(
 def truncate(data: Any, length: int) -> Any:
     """Keep the first ``length`` rows of every tensor (drops padded duplicates)."""
     return tree_map(lambda tensor: tensor[:length], data)
+
+
+def holds_tensors(data: Any) -> bool:
+    """Whether ``data`` is tensors in (nested) lists, tuples and dicts, as ``gather`` takes."""
+    try:
+        tree_map(lambda t: t, data)
+    except TypeError:
+        return False
+    return True

@@ -1,10 +1,10 @@
-"""Preparing a model: device, autocast forward, torch.compile, DDP or FSDP; and undoing it.
+"""Preparing a model: device, autocast forward, torch.compile, FSDP2; and undoing it.
 
 ``prepare_model`` returns what the training loop calls. ``unwrap_model`` peels DDP (and
 torch_xla's FSDPv2) and torch.compile off again and restores the original ``forward``, so
 saved weights have no ``module.`` / ``_orig_module.`` / ``_orig_mod.`` prefixes and an
-unwrapped model runs in full precision. XLA replicas get no DDP: ``nbaccel.accel.xla``
-all-reduces their gradients in the optimizer step.
+unwrapped model runs in full precision. The strategies (``nbaccel.accel.strategies``) use
+these and add their own wrapping (DDP, FSDPv2).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nbaccel.accel import sharding
 from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
-from nbaccel.accel.state import DistributedType, ProcessState
+from nbaccel.accel.state import ProcessState
 from nbaccel.config.sections import FSDPOptions
 
 # Marks a forward that prepare() wrapped in autocast; the original is kept on the wrapper.
@@ -36,19 +36,16 @@ def prepare_model(
     *,
     device_placement: bool,
     dynamo_backend: str,
-    ddp_kwargs: dict[str, Any],
 ) -> torch.nn.Module:
+    """On the device, forward in autocast, compiled: what every strategy starts from."""
     if device_placement:
         model = model.to(state.device)
     if precision.dtype is not None and not hasattr(model.forward, _ORIGINAL_FORWARD):
         model.forward = _autocast_forward(model.forward, precision)
     if dynamo_backend != "no":
-        # Compile the module, then wrap it in DDP: torch.compile(DDP(...)) compiles nothing
-        # for some models (pytorch#140416), DDP(torch.compile(...)) is the supported order.
+        # Compiled before any DDP wrapping (the data-parallel strategy wraps the result):
+        # torch.compile(DDP(...)) compiles nothing for some models (pytorch#140416).
         model = torch.compile(model, backend=dynamo_backend)  # type: ignore[assignment]
-    if state.use_distributed and state.distributed_type is not DistributedType.XLA:
-        device_ids = [state.device.index] if state.device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
     return model
 
 

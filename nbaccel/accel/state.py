@@ -4,7 +4,7 @@ Three sources, in order: the nbaccel launch this worker belongs to (its ``Proces
 the torch.distributed environment a launcher such as torchrun set (``RANK``, ``WORLD_SIZE``,
 ...), and otherwise one process. With more than one process the default process group is
 initialised here when the launcher has not done it (``init_process_group=False``, torchrun).
-Processes that train through torch_xla (TPUs) get their state from ``nbaccel.accel.xla``.
+Processes that train through torch_xla (TPUs) get theirs from ``strategies.xla_setup``.
 """
 
 from __future__ import annotations
@@ -81,14 +81,12 @@ def launch_config(config: Config | None) -> Config:
     return resolve({}, env=os.environ).config
 
 
-def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -> ProcessState:
-    """Build the ProcessState for ``config``, initialising torch.distributed when needed."""
+def torch_process_state(config: Config, env: Mapping[str, str] | None = None) -> ProcessState:
+    """The ProcessState of a process that trains through torch.distributed (not torch_xla:
+    see ``nbaccel.accel.strategies.detect_process_state``), initialising the default
+    process group when the launcher has not."""
     env = os.environ if env is None else env
     session = active_session()
-    if uses_xla_here(config, env):
-        from nbaccel.accel import xla  # imports torch_xla: only when XLA is really used
-
-        return xla.detect_xla_state(config)
     if session is not None:
         ctx = session.context
         rank, local_rank, world, local_world = (
@@ -128,14 +126,14 @@ def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -
     )
 
 
-def uses_xla_here(config: Config, env: Mapping[str, str]) -> bool:
+def uses_xla_here(config: Config, env: Mapping[str, str] | None = None) -> bool:
     """Whether this process trains through torch_xla: as its launch planned it (nbaccel's
     XLA launch sets the session's plan), else as nbaccel would plan a launch here (TPU
     chips found, ``PJRT_DEVICE`` set, or ``strategy='xla'``)."""
     session = active_session()
     if session is not None:
         return session.xla is not None
-    return uses_xla(config, detect_tpu(Path("/"), env))
+    return uses_xla(config, detect_tpu(Path("/"), os.environ if env is None else env))
 
 
 def _destroy_group_if_alive() -> None:

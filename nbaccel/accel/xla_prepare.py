@@ -56,7 +56,6 @@ def prepare_model(
             precision,
             device_placement=placement,
             dynamo_backend=config.dynamo_backend,
-            ddp_kwargs={},
         )
         if state.world_size > 1:
             import torch_xla.core.xla_model as xm
@@ -86,9 +85,7 @@ def _fsdp_v2(
     wrapped: torch.nn.Module = SpmdFullyShardedDataParallel(
         model, mesh=mesh, shard_output=_shard_output
     )
-    models.prepare_model(
-        model, state, precision, device_placement=False, dynamo_backend="no", ddp_kwargs={}
-    )
+    models.prepare_model(model, state, precision, device_placement=False, dynamo_backend="no")
     if config.dynamo_backend != "no":
         model.compile(backend=config.dynamo_backend)  # in place: the wrapper still calls it
     return wrapped

@@ -23,7 +23,7 @@ from nbaccel.accel.state import DistributedType, ProcessState
 
 
 class FakeXla:
-    """Just enough of torch_xla for ``XlaRuntime`` with 2 data-parallel replicas."""
+    """Just enough of torch_xla for ``XlaDataParallel`` with 2 data-parallel replicas."""
 
     REDUCE_SUM = "sum"
 
@@ -66,10 +66,11 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeXla:
 
 
 def runtime(rank: int = 0) -> Any:
-    from nbaccel.accel.xla import XlaRuntime
+    from nbaccel.accel.strategies.xla import XlaDataParallel
+    from nbaccel.config.schema import Config
 
     state = ProcessState(rank, rank, 2, 2, torch.device("cpu"), DistributedType.XLA, "")
-    return XlaRuntime(state)
+    return XlaDataParallel(state, Config())
 
 
 def test_gather_and_reduce_use_xla_collectives_between_graph_cuts(fake: FakeXla) -> None:
@@ -86,7 +87,7 @@ def test_gather_and_reduce_use_xla_collectives_between_graph_cuts(fake: FakeXla)
 
 def test_objects_padding_and_barrier_go_through_rendezvous(fake: FakeXla) -> None:
     xla = runtime()
-    assert xla.share({"seed": 7}) == {"seed": 7}  # rank 0's, on every rank
+    assert xla.share_object({"seed": 7}) == {"seed": 7}  # rank 0's, on every rank
     assert xla.gather_object(["from rank 0"]) == ["from rank 0", "from rank 1"]
     padded = xla.pad_across_processes(torch.ones(2), 0, -1, False)
     assert padded.tolist() == [1.0, 1.0] + [-1.0] * 10  # rank 1's size is 2 + 10

@@ -1,4 +1,4 @@
-"""The Accelerator on XLA devices (TPUs; torch_xla's CPU device in tests), through torch_xla.
+"""The strategies on XLA devices (TPUs; torch_xla's CPU device in tests), through torch_xla.
 
 Only processes that train through torch_xla import this module's torch_xla parts, and only
 inside functions: nbaccel's main environment has no torch_xla. Two modes, as torch_xla has:
@@ -21,142 +21,31 @@ torch.distributed group exists only with one device per process, never across th
 
 from __future__ import annotations
 
-import importlib
 import pickle
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nbaccel.accel import collectives, xla_prepare
 from nbaccel.accel.checkpoint import DeviceHooks
 from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
-from nbaccel.accel.state import DistributedType, ProcessState
+from nbaccel.accel.state import ProcessState
+from nbaccel.accel.strategies.base import Batches, ParameterSwap, Strategy
 from nbaccel.accel.xla_prepare import Batch
 from nbaccel.config.schema import Config
-from nbaccel.context import active_session
-from nbaccel.errors import ConfigError
-from nbaccel.xla_plan import check_versions
 
 
-def detect_xla_state(config: Config) -> ProcessState:
-    """This process's place in an XLA run; turns SPMD on first when the strategy is fsdp."""
-    session = active_session()
-    plan = session.xla if session is not None else None
-    spmd = plan.spmd if plan is not None else config.strategy == "fsdp"
-    _check_config(config, spmd)
-    torch_xla, xr = _import_torch_xla()
-    if spmd:
-        _enable_spmd(torch_xla, xr)
-    device = torch_xla.device()
-    run_dir = session.context.run_dir if session is not None else ""
-    if spmd:  # one process drives every device
-        rank, local_rank, world, local_world = 0, 0, 1, 1
-    elif session is not None:
-        ctx = session.context
-        rank, local_rank, world = ctx.rank, ctx.local_rank, ctx.world_size
-        local_world = ctx.local_world_size
-    else:  # torch_xla.launch / xmp.spawn without nbaccel, or one plain process
-        rank, local_rank = xr.global_ordinal(), xr.local_ordinal()
-        world, local_world = xr.world_size(), xr.local_device_count()
-    if world > 1 and not dist.is_initialized() and xr.addressable_device_count() == 1:
-        # Users' own torch.distributed calls work as on GPUs (nbaccel's launcher creates this
-        # group too). Only with one device per process: the default group is per process,
-        # so threaded devices (TPU v2/v3) rely on torch_xla's collectives, as nbaccel does.
-        importlib.import_module("torch_xla.distributed.xla_backend")  # registers "xla"
-        dist.init_process_group(
-            "xla", init_method="xla://", timeout=timedelta(seconds=config.collective_timeout)
-        )
-    return ProcessState(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world,
-        local_world_size=local_world,
-        device=device,
-        distributed_type=DistributedType.XLA,
-        run_dir=run_dir,
-    )
+class XlaDataParallel(Strategy):
+    """Replicas on XLA devices: torch_xla's collectives, graph cuts, device loaders."""
 
+    name = "xla"
 
-def _check_config(config: Config, spmd: bool) -> None:
-    if config.mixed_precision == "fp16":
-        raise ConfigError(
-            "mixed_precision='fp16' is not available on XLA devices: TPUs compute in bfloat16, "
-            "which needs no loss scaling. Use mixed_precision='bf16' (or 'no').",
-            field="mixed_precision",
-        )
-    if config.shard_optimizer_state:
-        raise ConfigError(
-            "shard_optimizer_state=True shards the optimizer over a torch.distributed group "
-            "(ZeroRedundancyOptimizer), which XLA runs do not use. Use strategy='fsdp' to "
-            "shard parameters, gradients and optimizer state on TPUs (FSDPv2).",
-            field="shard_optimizer_state",
-        )
-    if not spmd:
-        return
-    fsdp = config.fsdp
-    unsupported = [
-        (fsdp.sharding_strategy != "FULL_SHARD", "fsdp_sharding_strategy", "FULL_SHARD"),
-        (fsdp.cpu_offload, "fsdp_cpu_offload", "False"),
-        (fsdp.activation_checkpointing, "fsdp_activation_checkpointing", "False"),
-    ]
-    for wrong, name, supported in unsupported:
-        if wrong:
-            raise ConfigError(
-                f"strategy='fsdp' on XLA devices runs torch_xla's FSDPv2 (SPMD), which has no "
-                f"{name}={getattr(fsdp, name.removeprefix('fsdp_'))!r}: it shards every "
-                f"parameter along one mesh axis. Set {name}={supported}.",
-                field=name,
-            )
-
-
-def _import_torch_xla() -> tuple[Any, Any]:
-    problem = check_versions()  # from package metadata: a mismatch fails with a clear fix
-    if problem is not None:
-        raise ConfigError(problem, field="strategy")
-    try:
-        import torch_xla
-        import torch_xla.runtime as xr
-    except ImportError as error:
-        raise ConfigError(
-            "This run trains through torch_xla (strategy='xla', TPU chips found, or "
-            f"PJRT_DEVICE set), but importing torch_xla failed: {error}. Install torch_xla "
-            "matching torch (pip install 'nbaccel[xla]'), or use strategy='ddp'.",
-            field="strategy",
-        ) from error
-    return torch_xla, xr
-
-
-def _enable_spmd(torch_xla: Any, xr: Any) -> None:
-    if xr.is_spmd():
-        return
-    if torch_xla._XLAC._xla_get_spmd_config_is_locked():
-        # torch_xla would replicate the existing tensors to force SPMD; on torch_xla 2.9 the
-        # process then dies at the first step without a message, so refuse instead.
-        raise ConfigError(
-            "strategy='fsdp' on XLA devices needs SPMD mode, which torch_xla must turn on "
-            "before the XLA device is first used, but this process already used it "
-            "(torch_xla.device(), a tensor or model moved to 'xla', ...). Create the "
-            "Accelerator before touching the XLA device, or call "
-            "torch_xla.runtime.use_spmd() at the very start.",
-            field="strategy",
-        )
-    xr.use_spmd()
-
-
-class XlaRuntime:
-    """What changes on XLA devices: collectives, graph cuts, model and loader preparation."""
-
-    def __init__(self, state: ProcessState) -> None:
-        import torch_xla.runtime as xr
-
-        self.state = state
+    def __init__(self, state: ProcessState, config: Config) -> None:
+        super().__init__(state, config)
         self.device = state.device
-        # SPMD (FSDPv2): the mesh over every device; None in data parallel.
-        self.mesh = xla_prepare.fsdp_mesh() if xr.is_spmd() else None
+        self.mesh: Any = None  # SPMD's device mesh (XlaSpmd); None in data parallel
         self._loaders_syncing = 0  # torch_xla loaders mid-iteration (they sync per batch)
 
     # -- graph cuts and collectives ------------------------------------------------------
@@ -173,7 +62,10 @@ class XlaRuntime:
         if not self._loaders_syncing:
             self.sync()
 
-    def barrier(self, tag: str = "nbaccel.wait_for_everyone") -> None:
+    def barrier(self) -> None:
+        self._barrier("nbaccel.wait_for_everyone")
+
+    def _barrier(self, tag: str) -> None:
         # A sync first: the barrier is also the point where every rank's work is issued.
         self.sync()
         if self.state.world_size > 1:
@@ -228,7 +120,10 @@ class XlaRuntime:
             return [item for part in parts for item in part]
         return parts
 
-    def share(self, obj: Any) -> Any:
+    def share(self, value: int) -> int:
+        return int(self.share_object(value))
+
+    def share_object(self, obj: Any) -> Any:
         """Rank 0's picklable ``obj``, on every rank (a broadcast)."""
         if self.state.world_size == 1:
             return obj
@@ -253,13 +148,17 @@ class XlaRuntime:
             reduce = xm.reduce_gradients
         return {"reduce": reduce, "after_step": self.after_step}
 
+    @property
+    def checkpoint_layout(self) -> str:
+        return "plain"  # whole tensors, copied to the host (FSDPv2's arrive whole too)
+
     def checkpoint_hooks(self) -> DeviceHooks:
         import torch_xla.core.xla_model as xm
 
         return DeviceHooks(
             to_host=self.to_host,
-            barrier=lambda: self.barrier("nbaccel.checkpoint"),
-            share=self.share,
+            barrier=lambda: self._barrier("nbaccel.checkpoint"),
+            share=self.share_object,
             rng_state=lambda: int(xm.get_rng_state()),
             set_rng_state=lambda seed: xm.set_rng_state(int(seed)),
             after_load=self.sync,  # the loaded values become device data, not pending copies
@@ -276,18 +175,46 @@ class XlaRuntime:
 
     # -- models and batches ---------------------------------------------------------------
     def prepare_model(
-        self, model: torch.nn.Module, precision: Precision, placement: bool, config: Config
-    ) -> tuple[torch.nn.Module, dict[int, torch.nn.Parameter]]:
+        self,
+        model: torch.nn.Module,
+        precision: Precision,
+        *,
+        device_placement: bool,
+        ddp_kwargs: dict[str, Any],
+    ) -> tuple[torch.nn.Module, ParameterSwap]:
         """See ``xla_prepare.prepare_model``."""
-        return xla_prepare.prepare_model(model, self.state, self.mesh, precision, placement, config)
+        return xla_prepare.prepare_model(
+            model, self.state, self.mesh, precision, device_placement, self.config
+        )
 
-    def device_stream(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+    def before_save(self) -> None:
+        self.sync()  # one graph computes every pending weight before the copies
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        weights: dict[str, torch.Tensor] = self.to_host(super().full_state_dict(model))
+        return weights
+
+    def device_stream(self) -> Callable[[Batches], Batches]:
+        return self._stream
+
+    def _stream(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         """``batches`` on the device; see ``xla_prepare.device_stream``."""
         self._loaders_syncing += 1  # it syncs before each batch: the step need not
         try:
             yield from xla_prepare.device_stream(batches, self.device, self.mesh)
         finally:
             self._loaders_syncing -= 1
+
+
+class XlaSpmd(XlaDataParallel):
+    """FSDPv2 under SPMD: one process drives every device; parameters are sharded along the
+    ``fsdp`` axis of the mesh and the compiler inserts the communication."""
+
+    name = "xla-spmd"
+
+    def __init__(self, state: ProcessState, config: Config) -> None:
+        super().__init__(state, config)
+        self.mesh = xla_prepare.fsdp_mesh()
 
 
 def _dumps(obj: Any) -> bytes:

@@ -1,0 +1,206 @@
+"""``Strategy``: how one backend distributes training, and the one-process default.
+
+A strategy owns everything that differs between backends — wrapping models and
+optimizers, suspending gradient sync, the backward pass, clipping, collectives, full state
+dicts and the checkpoint layout — so the ``Accelerator`` facade never asks which backend it
+runs on. This base class is the single-device strategy; the others override what differs:
+
+    Strategy (one process)  <- DataParallel (DDP)  <- ZeroOne (DDP + ZeRO-1 optimizer)
+                                                    <- FullySharded (FSDP2)
+                                                    <- DeepSpeed
+    XlaDataParallel (torch_xla replicas)  <- XlaSpmd (FSDPv2 over one process's devices)
+
+``nbaccel.accel.strategies.start`` picks one, once, from the resolved config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nbaccel.accel import collectives, models
+from nbaccel.accel.checkpoint import DeviceHooks
+from nbaccel.accel.precision import Precision
+from nbaccel.accel.state import DistributedType, ProcessState
+from nbaccel.config.schema import Config
+
+# {id(original parameter): the parameter that replaced it} (FSDP shards in place).
+ParameterSwap = dict[int, torch.nn.Parameter]
+Batches = Iterator[Any]
+
+
+class Strategy:
+    """One process on one device: no wrapping, no communication.
+
+    >>> import torch
+    >>> from nbaccel.config.schema import Config
+    >>> state = ProcessState(0, 0, 1, 1, torch.device("cpu"), DistributedType.NO, "")
+    >>> strategy = Strategy(state, Config())
+    >>> strategy.name, strategy.gather(torch.ones(2)).tolist(), strategy.checkpoint_layout
+    ('single', [1.0, 1.0], 'plain')
+    """
+
+    name = "single"
+
+    def __init__(self, state: ProcessState, config: Config) -> None:
+        self.state = state
+        self.config = config
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    # -- precision ------------------------------------------------------------------------
+    def make_precision(self, mode: str) -> Precision:
+        """The autocast and loss-scaling part for ``mode`` on this backend."""
+        return Precision(mode, self.state.device)
+
+    # -- models and optimizers ------------------------------------------------------------
+    def prepare_engine(
+        self, objects: list[Any], kinds: list[str], **options: Any
+    ) -> dict[int, Any]:
+        """Backends that build one engine from the model, optimizer and scheduler together
+        (DeepSpeed) do it here; returns {position: replacement}. Others replace nothing."""
+        return {}
+
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        precision: Precision,
+        *,
+        device_placement: bool,
+        ddp_kwargs: dict[str, Any],
+    ) -> tuple[torch.nn.Module, ParameterSwap]:
+        """What the training loop calls, and the parameters that were replaced."""
+        prepared = models.prepare_model(
+            model,
+            self.state,
+            precision,
+            device_placement=device_placement,
+            dynamo_backend=self.config.dynamo_backend,
+        )
+        return prepared, {}
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to wrap (ZeRO-1 replaces it with a sharded one)."""
+        return optimizer
+
+    def optimizer_hooks(self) -> dict[str, Any]:
+        """Extra ``AcceleratedOptimizer`` arguments (XLA: gradient all-reduce, graph cut)."""
+        return {}
+
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_autocast: bool, keep_compile: bool
+    ) -> torch.nn.Module:
+        """The user's module, without the wrappers ``prepare_model`` added."""
+        return models.unwrap_model(model, keep_autocast=keep_autocast, keep_compile=keep_compile)
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Suspend ``model``'s gradient reduction (nothing to suspend on one process)."""
+        suspended: contextlib.AbstractContextManager[Any] = models.no_sync(model)
+        return suspended
+
+    # -- the step ---------------------------------------------------------------------------
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        accumulation_steps: int,
+        scaler: torch.amp.GradScaler | None,
+        sync_gradients: bool,
+        **kwargs: Any,
+    ) -> None:
+        """``loss.backward()``, divided over the accumulation steps and scaled for fp16."""
+        if accumulation_steps > 1:
+            loss = loss / accumulation_steps
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+
+    def clip_grad_norm_(
+        self, parameters: list[torch.nn.Parameter], max_norm: float, norm_type: float
+    ) -> torch.Tensor | None:
+        """Clip the (already reduced and unscaled) gradients; returns their total norm."""
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+        # Sharded gradients are DTensors and so is their norm; callers log a plain tensor.
+        full = getattr(norm, "full_tensor", None)
+        return full() if full is not None else norm
+
+    @property
+    def clips_in_engine(self) -> bool:
+        """True when the backend clips by its own config (DeepSpeed's gradient_clipping)."""
+        return False
+
+    # -- data -------------------------------------------------------------------------------
+    def device_stream(self) -> Callable[[Batches], Batches] | None:
+        """A generator moving batches to the device in the background, if the backend has
+        one (torch_xla's loader); None: the prepared loader moves each batch itself."""
+        return None
+
+    # -- collectives ------------------------------------------------------------------------
+    def gather(self, data: Any) -> Any:
+        """Every rank's tensors concatenated along dim 0."""
+        return collectives.gather(data)
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object in rank order; lists are concatenated."""
+        return collectives.gather_object(obj)
+
+    def reduce(self, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Sum or average tensors over ranks."""
+        return collectives.reduce(data, reduction, scale)
+
+    def pad_across_processes(self, data: Any, dim: int, pad_index: int, first: bool) -> Any:
+        """Pad tensors along ``dim`` to the largest size on any rank."""
+        return collectives.pad_across_processes(data, dim, pad_index, first)
+
+    def barrier(self) -> None:
+        """Wait for every rank (nothing to wait for on one process)."""
+
+    def share(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank (one process: the value)."""
+        return value
+
+    # -- state dicts and checkpoints ---------------------------------------------------------
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights as plain tensors (every rank must call it under
+        sharding; the sharded strategies return them on every rank)."""
+        inner = self.unwrap_model(model, keep_autocast=True, keep_compile=False)
+        return dict(inner.state_dict())
+
+    def save_model(self, model: torch.nn.Module, directory: Path, is_main: bool) -> None:
+        """Write the consolidated weights to ``directory/model.safetensors`` (rank 0)."""
+        weights = self.full_state_dict(model)
+        if is_main:
+            models.save_state_file(weights, directory)
+
+    @property
+    def checkpoint_layout(self) -> str:
+        """How ``save_state`` stores model and optimizer: ``plain`` (torch.save of whole
+        tensors), ``sharded`` / ``full`` (torch.distributed.checkpoint), ``deepspeed``."""
+        if self.config.strategy == "fsdp":
+            # FSDP on one process keeps FSDP's layout, so its checkpoints load onto N ranks.
+            sharded = self.config.fsdp.state_dict_type == "SHARDED_STATE_DICT"
+            return "sharded" if sharded else "full"
+        return "plain"
+
+    def checkpoint_hooks(self) -> DeviceHooks | None:
+        """Device-specific copies, barriers and RNG for checkpoints (XLA); None: torch's."""
+        return None
+
+    @property
+    def engine(self) -> Any:
+        """The backend's own engine module, which prepare() returns for the model (DeepSpeed)."""
+        return None
+
+    @property
+    def checkpoint_engine(self) -> Any:
+        """What saves and loads the engine with its own checkpoint code (DeepSpeed's run)."""
+        return None
+
+    def before_save(self) -> None:
+        """Make every pending value real before weights are copied (XLA's graph)."""
