@@ -44,11 +44,10 @@ class Checkpoints:
                 )
         self.prepared.custom.extend(objects)
 
-    def stateful(self) -> checkpoint.Stateful:
+    def stateful(self, models: list[torch.nn.Module] | None = None) -> checkpoint.Stateful:
         prepared, strategy = self.prepared, self.prepared.strategy
-        unwrap = strategy.unwrap_model
         return checkpoint.Stateful(
-            models=[unwrap(m, keep_autocast=True, keep_compile=False) for m in prepared.models],
+            models=self.unwrapped() if models is None else models,
             optimizers=prepared.optimizers,
             schedulers=prepared.schedulers,
             dataloaders=prepared.dataloaders,
@@ -59,16 +58,25 @@ class Checkpoints:
             device=strategy.checkpoint_hooks(),
         )
 
+    def unwrapped(self) -> list[torch.nn.Module]:
+        unwrap = self.prepared.strategy.unwrap_model
+        return [unwrap(m, keep_autocast=True, keep_compile=False) for m in self.prepared.models]
+
     def save(self, output_dir: str | os.PathLike[str]) -> Path:
         state = self.prepared.strategy.state
-        if self.save_hooks:  # Accelerate's pre-hooks see the unwrapped models and weights
-            stateful = self.stateful()
-            weights = [dict(m.state_dict()) for m in stateful.models]
+        models = self.unwrapped()
+        if self.save_hooks:
+            # Accelerate's contract: a hook may save some models its own way (say with
+            # save_pretrained) and pop their entries from ``weights``; those are left out.
+            weights = [dict(m.state_dict()) for m in models]
+            kept = list(weights)
             for hook in self.save_hooks:
-                hook(list(stateful.models), weights, os.fspath(output_dir))
+                hook(list(self.prepared.models), kept, os.fspath(output_dir))
+            remaining = {id(w) for w in kept}
+            models = [m for m, w in zip(models, weights, strict=True) if id(w) in remaining]
         return checkpoint.save_state(
             output_dir,
-            self.stateful(),
+            self.stateful(models),
             rank=state.rank,
             world_size=state.world_size,
             progress={"step": self.step, "cycle": self.gradients.micro_steps_in_cycle},
@@ -76,11 +84,19 @@ class Checkpoints:
 
     def load(self, input_dir: str | os.PathLike[str]) -> None:
         state = self.prepared.strategy.state
-        stateful = self.stateful()
-        for hook in self.load_hooks:
-            hook(list(stateful.models), os.fspath(input_dir))
+        models = self.unwrapped()
+        if self.load_hooks:
+            # A hook that loaded some models itself pops them from ``models`` (Accelerate's
+            # contract): only the models still listed are loaded here.
+            listed = list(self.prepared.models)
+            for hook in self.load_hooks:
+                hook(listed, os.fspath(input_dir))
+            remaining = {id(m) for m in listed}
+            models = [
+                u for m, u in zip(self.prepared.models, models, strict=True) if id(m) in remaining
+            ]
         progress = checkpoint.load_state(
-            input_dir, stateful, rank=state.rank, world_size=state.world_size
+            input_dir, self.stateful(models), rank=state.rank, world_size=state.world_size
         )
         self.step = progress["step"]
         self.gradients.micro_steps_in_cycle = progress["cycle"]
