@@ -32,13 +32,47 @@ from nbaccel.metrics import log_metrics
 
 if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel never imports torch
     from nbaccel.accel import Accelerator, DistributedType
+    from nbaccel.accel.partial_state import AcceleratorState, PartialState
+    from nbaccel.accel.skip_batches import skip_first_batches
+    from nbaccel.config.accelerator_configs import DataLoaderConfiguration
+    from nbaccel.config.kwargs_handlers import (
+        AutocastKwargs,
+        DDPCommunicationHookType,
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProfileKwargs,
+    )
+    from nbaccel.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from nbaccel.ui.config_panel import ConfigPanel  # ipywidgets: loaded on first use too
+    from nbaccel.utils.availability import is_rich_available
+    from nbaccel.utils.memory import find_executable_batch_size
+    from nbaccel.utils.modeling import init_empty_weights, init_on_device
+    from nbaccel.utils.random import synchronize_rng_states
 
 # The worker-side names (they import torch), by the module that defines each: loaded on
 # first use, so ``import nbaccel`` in the kernel stays torch-free.
 _WORKER_SIDE = {
     "Accelerator": "nbaccel.accel",
+    # Accelerate's top-level config objects: torch-free, loaded on first use all the same.
+    "AutocastKwargs": "nbaccel.config.kwargs_handlers",
+    "DDPCommunicationHookType": "nbaccel.config.kwargs_handlers",
+    "DataLoaderConfiguration": "nbaccel.config.accelerator_configs",
+    "DeepSpeedPlugin": "nbaccel.config.plugins",
+    "DistributedDataParallelKwargs": "nbaccel.config.kwargs_handlers",
+    "FullyShardedDataParallelPlugin": "nbaccel.config.plugins",
+    "GradScalerKwargs": "nbaccel.config.kwargs_handlers",
+    "InitProcessGroupKwargs": "nbaccel.config.kwargs_handlers",
+    "ProfileKwargs": "nbaccel.config.kwargs_handlers",
     "DistributedType": "nbaccel.accel",
+    "PartialState": "nbaccel.accel.partial_state",
+    "AcceleratorState": "nbaccel.accel.partial_state",
+    "skip_first_batches": "nbaccel.accel.skip_batches",
+    "find_executable_batch_size": "nbaccel.utils.memory",
+    "init_empty_weights": "nbaccel.utils.modeling",
+    "init_on_device": "nbaccel.utils.modeling",
+    "synchronize_rng_states": "nbaccel.utils.random",
+    "is_rich_available": "nbaccel.utils.availability",
 }
 
 
@@ -56,13 +90,24 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Accelerator",
+    "AcceleratorState",
+    "AutocastKwargs",
     "CollectiveTimeout",
     "Config",
     "ConfigError",
     "ConfigPanel",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
     "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
     "HelperError",
+    "InitProcessGroupKwargs",
+    "PartialState",
     "ProcessContext",
+    "ProfileKwargs",
     "RemoteTraceback",
     "Run",
     "RunCancelled",
@@ -70,9 +115,15 @@ __all__ = [
     "SerializationError",
     "WorkerError",
     "active_session",
+    "find_executable_batch_size",
+    "init_empty_weights",
+    "init_on_device",
+    "is_rich_available",
     "launch",
     "log_metrics",
     "notebook_launcher",
     "resolve",
+    "skip_first_batches",
+    "synchronize_rng_states",
 ]
 __version__ = "0.1.0"

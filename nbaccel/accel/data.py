@@ -10,7 +10,10 @@ every rank takes the same number of steps (a rank short of a batch would hang th
 
 The position (epoch, batches consumed) is the loader's state: ``save_state`` stores it, and
 after ``load_state`` the next iteration skips the consumed batches by index, without loading
-them. Each epoch reshuffles without ``set_epoch``.
+them. Each epoch reshuffles without ``set_epoch``. ``skip_first_batches`` (in
+``skip_batches``) starts the current epoch further on, once, through ``start_at``; after
+``load_state`` its count replaces the restored position (code written for Accelerate calls
+both, and must not skip twice).
 
 On XLA devices a ``device_stream`` (``XlaRuntime.device_stream``) moves the batches in
 torch_xla's background loader instead; the position is still counted where the training
@@ -273,6 +276,17 @@ class PreparedDataLoader(DataLoader[Any]):
         self._resuming = True
         self._started = True
 
+    def start_at(self, batches: int) -> None:
+        """Let the next iteration take the current epoch from batch ``batches`` on.
+
+        The current epoch is the restored one after ``load_state`` (whose position
+        ``batches`` replaces), else the one the next iteration would start.
+        """
+        if self._started and not self._resuming:
+            self.plan.epoch += 1  # the pass that began is over: the next epoch is current
+        self.batches_consumed = batches
+        self._resuming = self._started = True
+
 
 class PreparedIterableLoader:
     """An IterableDataset loader: rank r keeps the user's batches ``j`` with ``j % N == r``.
@@ -313,6 +327,11 @@ class PreparedIterableLoader:
 
     def load_state_dict(self, state: dict[str, int], saved_world_size: int | None = None) -> None:
         self.batches_consumed = _converted(state, saved_world_size, self.plan)
+        self._resuming = True
+
+    def start_at(self, batches: int) -> None:
+        """Let the next pass skip its first ``batches`` batches (they are still read)."""
+        self.batches_consumed = batches
         self._resuming = True
 
 

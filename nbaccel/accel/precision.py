@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -30,7 +31,13 @@ class Precision:
     """
 
     def __init__(
-        self, mode: str, device: torch.device, sharded: bool = False, engine_scales: bool = False
+        self,
+        mode: str,
+        device: torch.device,
+        sharded: bool = False,
+        engine_scales: bool = False,
+        scaler_kwargs: dict[str, Any] | None = None,
+        autocast_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if mode not in MIXED_PRECISIONS:
             raise ConfigError(
@@ -41,6 +48,9 @@ class Precision:
         self.mode = mode
         self.device = device
         self.dtype = _DTYPES.get(mode)
+        # AutocastKwargs' (enabled, cache_enabled) and GradScalerKwargs' keywords.
+        self.autocast_kwargs = dict(autocast_kwargs or {})
+        scaler_kwargs = dict(scaler_kwargs or {})
         self.scaler: torch.amp.GradScaler | None = None
         if mode != "fp16" or engine_scales:  # DeepSpeed's engine scales fp16 losses itself
             return
@@ -49,17 +59,22 @@ class Precision:
             # "found inf" so that every rank skips the same steps.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = ShardedGradScaler(device.type)
+            self.scaler = ShardedGradScaler(device.type, **scaler_kwargs)
         else:
-            self.scaler = torch.amp.GradScaler(device.type)
+            self.scaler = torch.amp.GradScaler(device.type, **scaler_kwargs)
 
     @contextlib.contextmanager
-    def autocast(self, enabled: bool = True) -> Iterator[None]:
-        """Run the block under autocast for this precision (a no-op for ``"no"``)."""
-        if self.dtype is None or not enabled:
+    def autocast(self, enabled: bool = True, **handler: Any) -> Iterator[None]:
+        """Run the block under autocast for this precision (a no-op for ``"no"``).
+
+        ``handler``: an ``AutocastKwargs``' keywords (``enabled``, ``cache_enabled``), over
+        the Accelerator's own handler.
+        """
+        options = {**self.autocast_kwargs, **handler}
+        if self.dtype is None or not enabled or not options.pop("enabled", True):
             yield
             return
-        with torch.autocast(self.device.type, dtype=self.dtype):
+        with torch.autocast(self.device.type, dtype=self.dtype, **options):
             yield
 
 

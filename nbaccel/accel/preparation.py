@@ -89,7 +89,9 @@ class Prepared:
             result[i], kinds[i] = obj, "engine"
         if strategy.accumulation_steps is not None:  # a DeepSpeed config file may set them
             self.gradients.accumulation_steps = strategy.accumulation_steps
-        self.precision = strategy.make_precision(self.precision.mode)
+        self.precision = strategy.make_precision(
+            self.precision.mode, autocast_kwargs=self.precision.autocast_kwargs
+        )
         self.models.append(strategy.engine)
         if strategy.run.optimizer is not None:  # for step_was_skipped and checkpoints
             self.optimizers.append(strategy.run.optimizer)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nbaccel.config.schema import Config
+from nbaccel.config.fsdp_plugin import FullyShardedDataParallelPlugin, fsdp_values
+from nbaccel.config.schema import Config, option
 from nbaccel.errors import ConfigError
 
 ACCELERATE_TOP_KEYS = frozenset(
@@ -79,23 +80,25 @@ _IGNORED = {
     "mpirun_config",
     "megatron_lm_config",
 }
-_FSDP = {
-    "fsdp_sharding_strategy": "fsdp.sharding_strategy",
-    "fsdp_offload_params": "fsdp.cpu_offload",
-    "fsdp_auto_wrap_policy": "fsdp.auto_wrap_policy",
-    "fsdp_transformer_layer_cls_to_wrap": "fsdp.transformer_layer_cls",
-    "fsdp_min_num_params": "fsdp.min_num_params",
-    "fsdp_activation_checkpointing": "fsdp.activation_checkpointing",
-    "fsdp_state_dict_type": "fsdp.state_dict_type",
-}
-_FSDP_TOLERATED = {
-    "fsdp_version",
-    "fsdp_backward_prefetch",
-    "fsdp_forward_prefetch",
-    "fsdp_use_orig_params",
-    "fsdp_cpu_ram_efficient_loading",
-    "fsdp_sync_module_states",
-    "fsdp_reshard_after_forward",
+# Accelerate's fsdp_config keys -> FullyShardedDataParallelPlugin's keywords: the file is read
+# as that plugin would read the variables Accelerate's launcher writes from it, by the same rules.
+_FSDP_KEYWORDS = {
+    "fsdp_version": "fsdp_version",
+    "fsdp_sharding_strategy": "sharding_strategy",
+    "fsdp_reshard_after_forward": "reshard_after_forward",
+    "fsdp_offload_params": "cpu_offload",
+    "fsdp_auto_wrap_policy": "auto_wrap_policy",
+    "fsdp_transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap",
+    "fsdp_min_num_params": "min_num_params",
+    "fsdp_activation_checkpointing": "activation_checkpointing",
+    "fsdp_activation_checkpointing_offload": "activation_checkpointing_offload",
+    "fsdp_state_dict_type": "state_dict_type",
+    "fsdp_backward_prefetch": "backward_prefetch",
+    "fsdp_forward_prefetch": "forward_prefetch",
+    "fsdp_use_orig_params": "use_orig_params",
+    "fsdp_cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
+    "fsdp_sync_module_states": "sync_module_states",
+    "fsdp_ignored_modules": "ignored_modules",
 }
 _DEEPSPEED = {
     "zero_stage": "deepspeed.zero_stage",
@@ -104,8 +107,19 @@ _DEEPSPEED = {
     "deepspeed_config_file": "deepspeed.config_file",
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "max_grad_norm",
+    "zero3_save_16bit_model": "deepspeed.zero3_save_16bit_model",
 }
-_DEEPSPEED_TOLERATED = {"zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"}
+# zero3_init_flag changes no numbers: see nbaccel.config.plugins.
+_DEEPSPEED_TOLERATED = {"zero3_init_flag", "deepspeed_multinode_launcher"}
+
+
+# dynamo_config keys besides dynamo_backend: nbaccel's dynamo section, same names.
+_DYNAMO_KEYS = (
+    "dynamo_mode",
+    "dynamo_use_fullgraph",
+    "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation",
+)
 
 
 def looks_like_accelerate(data: Mapping[str, Any]) -> bool:
@@ -145,12 +159,11 @@ def from_accelerate_yaml(data: Mapping[str, Any], origin: str) -> dict[str, Any]
         elif key in _IGNORED:
             continue
         elif key == "fsdp_config":
-            values.update(_nested(value or {}, _FSDP, _FSDP_TOLERATED, where))
+            values.update(_fsdp(value or {}, where))
         elif key == "deepspeed_config":
             values.update(_nested(value or {}, _DEEPSPEED, _DEEPSPEED_TOLERATED, where))
         elif key == "dynamo_config":
-            backend = str((value or {}).get("dynamo_backend", "NO")).lower()
-            values["dynamo_backend"] = backend
+            values.update(_dynamo(value or {}, where))
         elif key == "main_process_ip" and value is None:
             continue
         else:
@@ -171,16 +184,46 @@ def from_accelerate_yaml(data: Mapping[str, Any], origin: str) -> dict[str, Any]
     return values
 
 
+def _fsdp(section: Mapping[str, Any], where: str) -> dict[str, Any]:
+    unknown = sorted(set(section) - set(_FSDP_KEYWORDS))
+    if unknown:
+        raise ConfigError(
+            f"{where}.{unknown[0]} is not an option nbaccel can honour. Known: "
+            f"{', '.join(sorted(_FSDP_KEYWORDS))}.",
+            field=unknown[0],
+        )
+    keywords = {_FSDP_KEYWORDS[key]: value for key, value in section.items()}
+    if isinstance(keywords.get("transformer_cls_names_to_wrap"), str):
+        keywords["transformer_cls_names_to_wrap"] = [keywords["transformer_cls_names_to_wrap"]]
+    try:
+        plugin = FullyShardedDataParallelPlugin(**keywords)
+        chosen = fsdp_values(plugin, base_sharding="FULL_SHARD")
+    except (ValueError, TypeError, NotImplementedError) as error:
+        raise ConfigError(f"{where}: {error}", field="fsdp_config") from None
+    return {option(name).path: value for name, value in chosen.items()}
+
+
+def _dynamo(section: Mapping[str, Any], where: str) -> dict[str, Any]:
+    values = {"dynamo_backend": str(section.get("dynamo_backend", "NO")).lower()}
+    for key, value in section.items():
+        if key == "dynamo_backend":
+            continue
+        if key not in _DYNAMO_KEYS:
+            raise ConfigError(
+                f"{where}.{key} is not an option nbaccel can honour. Known: dynamo_backend, "
+                f"{', '.join(_DYNAMO_KEYS)}.",
+                field=key,
+            )
+        values[f"dynamo.{key.removeprefix('dynamo_')}"] = value
+    return values
+
+
 def _nested(
     section: Mapping[str, Any], mapping: Mapping[str, str], tolerated: set[str], where: str
 ) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in section.items():
         if key in mapping:
-            if key == "fsdp_transformer_layer_cls_to_wrap" and isinstance(value, list):
-                value = ",".join(value)
-            if key == "fsdp_sharding_strategy" and isinstance(value, int):
-                value = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")[value - 1]
             if key in ("offload_optimizer_device", "offload_param_device") and value is None:
                 value = "none"
             if value == "auto" or (key == "gradient_clipping" and value is None):
@@ -200,7 +243,12 @@ def accelerate_env(config: Config, *, on_cpu: bool) -> dict[str, str]:
     env = {
         "ACCELERATE_MIXED_PRECISION": config.mixed_precision,
         "ACCELERATE_DYNAMO_BACKEND": config.dynamo_backend.upper(),
+        "ACCELERATE_DYNAMO_MODE": config.dynamo.mode,
+        "ACCELERATE_DYNAMO_USE_FULLGRAPH": str(config.dynamo.use_fullgraph),
+        "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": str(config.dynamo.use_regional_compilation),
     }
+    if config.dynamo.use_dynamic is not None:  # unset: torch.compile(dynamic=None) decides
+        env["ACCELERATE_DYNAMO_USE_DYNAMIC"] = str(config.dynamo.use_dynamic)
     # Accelerate reads this variable *over* its own gradient_accumulation_steps argument, so
     # exporting the default 1 would silently turn accumulation off in code that asks for it.
     if config.gradient_accumulation_steps != 1:
@@ -234,4 +282,6 @@ def accelerate_env(config: Config, *, on_cpu: bool) -> dict[str, str]:
         }
         if ds.config_file:
             env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = ds.config_file
+        if ds.zero3_save_16bit_model:
+            env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] = "true"
     return env

@@ -50,6 +50,11 @@ __all__ = [
     "mixed_precision_of",
 ]
 
+# How the config a DeepSpeedPlugin gave as a dict is named in messages.
+_GIVEN_DICT = "the DeepSpeedPlugin's hf_ds_config dict"
+_FILE_FIELD = "deepspeed_config_file"
+_SAVE_16BIT = "stage3_gather_16bit_weights_on_model_save"
+
 # zero_optimization sizes Accelerate derives from the model's hidden size h.
 _HIDDEN_SIZE_RULES: dict[str, Callable[[int], int]] = {
     "reduce_bucket_size": lambda h: h * h,
@@ -58,8 +63,11 @@ _HIDDEN_SIZE_RULES: dict[str, Callable[[int], int]] = {
 }
 
 
-def deepspeed_config(config: Config) -> dict[str, Any]:
+def deepspeed_config(config: Config, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The DeepSpeed config for this run (a new dict), validated; raises ConfigError.
+
+    ``given``: a config dict that takes the place of ``deepspeed_config_file`` (a
+    ``DeepSpeedPlugin(hf_ds_config={...})``); the same rules apply to it as to a file.
 
     >>> ds = deepspeed_config(Config(strategy="deepspeed").replace(deepspeed_zero_stage=3))
     >>> ds["zero_optimization"], ds["train_micro_batch_size_per_gpu"]
@@ -70,11 +78,27 @@ def deepspeed_config(config: Config) -> dict[str, Any]:
     nbaccel.errors.ConfigError: deepspeed_offload_param_device='cpu' needs ZeRO stage 3 ...
     """
     options = config.deepspeed
-    source = Source(options.config_file or None, from_options=not options.config_file)
-    ds = read_file(options.config_file) if options.config_file else _from_options(options)
+    if given is not None and options.config_file:
+        raise ConfigError(
+            f"A DeepSpeed config dict was given (DeepSpeedPlugin(hf_ds_config={{...}})) and "
+            f"deepspeed_config_file={options.config_file!r} too; nbaccel will not guess which "
+            "one rules. Give one of them.",
+            field=_FILE_FIELD,
+        )
+    if given is not None:
+        source = Source(_GIVEN_DICT)
+        ds = copy.deepcopy(dict(given))
+    elif options.config_file:
+        source = Source(options.config_file)
+        ds = read_file(options.config_file)
+    else:
+        source = Source(None, from_options=True)
+        ds = _from_options(options)
     check_structure(ds, source)
     if source.file:
         check_options_agree(ds, options, source)
+        _apply_save_16bit(ds, options.zero3_save_16bit_model, source.file)
+    _check_save_16bit(ds, options.zero3_save_16bit_model, source)
     run = (config.gradient_accumulation_steps, config.max_grad_norm, config.mixed_precision)
     check_run_agrees(ds, *run, source)
     return ds
@@ -162,6 +186,8 @@ def _from_options(options: DeepSpeedOptions) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": options.offload_optimizer_device}
     if options.offload_param_device != "none":
         zero["offload_param"] = {"device": options.offload_param_device}
+    if options.zero3_save_16bit_model:
+        zero[_SAVE_16BIT] = True
     # Everything the run decides stays "auto": the worker's Accelerator may change it
     # (Accelerator(gradient_accumulation_steps=4)), and batch sizes are known only there.
     return {
@@ -173,6 +199,43 @@ def _from_options(options: DeepSpeedOptions) -> dict[str, Any]:
         "fp16": {"enabled": AUTO},
         "bf16": {"enabled": AUTO},
     }
+
+
+def _apply_save_16bit(ds: dict[str, Any], wanted: bool, where: str) -> None:
+    """deepspeed_zero3_save_16bit_model on (not its default) beside a file or dict: the file
+    may leave the key out or say the same, never the opposite (nbaccel will not pick one)."""
+    if not wanted:
+        return  # not chosen for this run: the file rules
+    zero = ds.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return  # check_structure has refused a malformed section; an absent one is stage 0
+    theirs = zero.get(_SAVE_16BIT, AUTO)
+    if theirs in (AUTO, True):
+        zero[_SAVE_16BIT] = True
+        return
+    raise ConfigError(
+        f"deepspeed_zero3_save_16bit_model=True contradicts {where}, which sets "
+        f"zero_optimization.{_SAVE_16BIT} to {theirs!r}. When a DeepSpeed config is given its "
+        "values rule (as in Accelerate), and nbaccel will not guess which one you meant. "
+        "Remove the option from the run's settings, or change the value in the config.",
+        field="deepspeed_zero3_save_16bit_model",
+    )
+
+
+def _check_save_16bit(ds: dict[str, Any], wanted: bool, source: Source) -> None:
+    """The option on below ZeRO stage 3, where DeepSpeed ignores it: refused, not dropped.
+    (A file's own key is left to DeepSpeed, which ignores it there harmlessly.)"""
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if not wanted or stage == 3:
+        return
+    where = "" if source.from_options else f" in {source.where}"
+    raise ConfigError(
+        f"deepspeed_zero3_save_16bit_model=True only applies to ZeRO stage 3 (stages 0-2 keep "
+        f"whole weights on every process), but the stage{where} is {stage}. Use stage 3, or "
+        "turn it off.",
+        field="deepspeed_zero3_save_16bit_model",
+    )
 
 
 # -- filling ----------------------------------------------------------------------------------

@@ -26,9 +26,12 @@ def _multi_node(values: Mapping[str, Any]) -> bool:
 APPLIES_WHEN: dict[str, Predicate] = {
     "fsdp.": lambda values: values["strategy"] == "fsdp",
     "deepspeed.": lambda values: values["strategy"] == "deepspeed",
+    "dynamo.": lambda values: values["dynamo_backend"] != "no",
     "shard_optimizer_state": lambda values: values["strategy"] in ("auto", "ddp"),
     "xla_start_method": lambda values: values["strategy"] in ("auto", "xla", "fsdp"),
     "sync_each_batch": lambda values: int(values["gradient_accumulation_steps"]) > 1,
+    # DeepSpeed reads it only at stage 3 (and nbaccel refuses it below).
+    "deepspeed.zero3_save_16bit_model": lambda values: int(values["deepspeed_zero_stage"]) == 3,
     **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
     "rdzv_timeout": _multi_node,
     # Asked only when the process count would otherwise be refused on this machine's CPUs.

@@ -1,8 +1,8 @@
 """The one configuration schema behind the launcher, YAML files, the CLI, the wizard and widgets.
 
-``Config`` is a frozen dataclass with two nested sections (``fsdp``, ``deepspeed``). Every
-leaf field carries its help text, choices, lower bound and Accelerate's environment name in
-its metadata; ``options()`` flattens them into ``Option`` records (dotted ``path``, flat
+``Config`` is a frozen dataclass with nested sections (``fsdp``, ``deepspeed``, ``dynamo``).
+Every leaf field carries its help text, choices, lower bound and Accelerate's environment name
+in its metadata; ``options()`` flattens them into ``Option`` records (dotted ``path``, flat
 ``name`` used by env vars, CLI flags and keyword arguments), so each face of the config is
 generated from here and a field added once appears everywhere. Plain data, stdlib only.
 """
@@ -18,10 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.config.sections import DeepSpeedOptions, FSDPOptions, schema_field
+from nbaccel.config.sections import DeepSpeedOptions, DynamoOptions, FSDPOptions, schema_field
 from nbaccel.errors import ConfigError
 
-__all__ = ["Config", "DeepSpeedOptions", "FSDPOptions", "Option", "options"]
+__all__ = ["Config", "DeepSpeedOptions", "DynamoOptions", "FSDPOptions", "Option", "options"]
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed", "xla")
@@ -122,6 +122,9 @@ class Config:
         "no",
         "torch.compile the model in prepare() with this backend (no: eager).",
         choices=DYNAMO_BACKENDS,
+    )
+    dynamo: DynamoOptions = field(
+        default_factory=DynamoOptions, metadata={"help": DynamoOptions.__doc__}
     )
     log_with: tuple[str, ...] = schema_field(
         (),

@@ -1,4 +1,5 @@
-"""The nested sections of the config schema (``fsdp``, ``deepspeed``) and the field helper.
+"""The nested sections of the config schema (``fsdp``, ``deepspeed``, ``dynamo``) and the field
+helper.
 
 Split from ``nbaccel.config`` to keep modules small; ``nbaccel.config`` re-exports them.
 Plain data, stdlib only.
@@ -8,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+# The dtypes an FSDP mixed-precision policy can name; "auto" lets the run decide.
+FSDP_DTYPES = ("auto", "fp32", "bf16", "fp16")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def schema_field(
@@ -63,6 +68,19 @@ class FSDPOptions:
         "How save_state writes the model: each rank its shards, or one full state dict.",
         choices=("SHARDED_STATE_DICT", "FULL_STATE_DICT"),
     )
+    param_dtype: str = schema_field(
+        "auto",
+        "Dtype FSDP gathers parameters in for forward and backward (outputs come back in it "
+        "too): auto follows mixed_precision (bf16 or fp16, else fp32); fp32, bf16 or fp16 fix "
+        "it (Accelerate's mixed_precision_policy).",
+        choices=FSDP_DTYPES,
+    )
+    reduce_dtype: str = schema_field(
+        "auto",
+        "Dtype gradients are reduced across processes in: auto is fp32 (exact sums); bf16 "
+        "or fp16 halve the traffic, as Accelerate's FSDP does under mixed precision.",
+        choices=FSDP_DTYPES,
+    )
 
 
 @dataclass(frozen=True)
@@ -91,4 +109,40 @@ class DeepSpeedOptions:
         "",
         "A DeepSpeed JSON config; 'auto' values in it are filled from this run.",
         accelerate_env="ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    )
+    zero3_save_16bit_model: bool = schema_field(
+        False,
+        "ZeRO stage 3: gather the full weights in 16 bit when the model is saved (DeepSpeed's "
+        "stage3_gather_16bit_weights_on_model_save); off, they stay partitioned.",
+        accelerate_env="ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    )
+
+
+@dataclass(frozen=True)
+class DynamoOptions:
+    """torch.compile settings beside dynamo_backend, used when it is not 'no'."""
+
+    mode: str = schema_field(
+        "default",
+        "torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune, or "
+        "max-autotune-no-cudagraphs.",
+        choices=COMPILE_MODES,
+        accelerate_env="ACCELERATE_DYNAMO_MODE",
+    )
+    use_fullgraph: bool = schema_field(
+        False,
+        "Compile the whole forward as one graph: a graph break is an error instead of a split.",
+        accelerate_env="ACCELERATE_DYNAMO_USE_FULLGRAPH",
+    )
+    use_dynamic: bool | None = schema_field(
+        None,
+        "Trace with dynamic shapes: true, false, or none (torch decides: it recompiles for "
+        "dynamic shapes once a size changes).",
+        accelerate_env="ACCELERATE_DYNAMO_USE_DYNAMIC",
+    )
+    use_regional_compilation: bool = schema_field(
+        False,
+        "Compile each repeated block (e.g. every transformer layer) on its own: a much faster "
+        "cold start, the same results.",
+        accelerate_env="ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION",
     )

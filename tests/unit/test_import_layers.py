@@ -1,6 +1,8 @@
 """The layers of DESIGN.md §2, one way down, read from the source with ``ast``.
 
-    entry points   nbaccel (the package), nbaccel.launching, nbaccel.cli, nbaccel.ui, demo
+    entry points   nbaccel (the package), nbaccel.launching, nbaccel.cli, nbaccel.ui, demo,
+                   and the worker-side facades of Accelerate's modules: nbaccel.utils,
+                   nbaccel.logging (they may import nbaccel.accel; nothing imports them)
     sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
     base           nbaccel.config, errors, events, context, devices, xla_plan, metrics,
                    memory_estimate: plain data, importing no side and no entry point
@@ -20,7 +22,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "nbaccel"
 
-ENTRY = ("nbaccel", "nbaccel.launching", "nbaccel.cli", "nbaccel.ui", "nbaccel.demo")
+ENTRY = (
+    "nbaccel",
+    "nbaccel.launching",
+    "nbaccel.cli",
+    "nbaccel.ui",
+    "nbaccel.demo",
+    "nbaccel.utils",
+    "nbaccel.logging",
+)
 SIDES = ("nbaccel.launcher", "nbaccel.accel")
 BASE = (
     "nbaccel.config",
@@ -42,6 +52,14 @@ WORKER_SIDE_LAUNCHER = (
     "nbaccel.launcher.script",
     "nbaccel.launcher.elastic",
     "nbaccel.launcher.helper_main",
+)
+# The modules behind ``nbaccel.utils`` that run in workers and import torch (the package
+# itself loads them lazily; it and nbaccel.utils.availability stay torch-free).
+WORKER_SIDE_UTILS = (
+    "nbaccel.utils.operations",
+    "nbaccel.utils.random",
+    "nbaccel.utils.memory",
+    "nbaccel.utils.modeling",
 )
 
 
@@ -119,12 +137,12 @@ def test_every_module_has_a_layer_and_the_map_names_real_modules() -> None:
     names = set(modules())
     for name in names:
         layer(name)
-    for prefix in (*ENTRY, *SIDES, *BASE, *WORKER_SIDE_LAUNCHER):
+    for prefix in (*ENTRY, *SIDES, *BASE, *WORKER_SIDE_LAUNCHER, *WORKER_SIDE_UTILS):
         assert any(within(n, (prefix,)) for n in names), f"{prefix} no longer exists"
 
 
 def test_the_parent_side_never_imports_torch_at_module_level() -> None:
-    worker_side = ("nbaccel.accel", *WORKER_SIDE_LAUNCHER)
+    worker_side = ("nbaccel.accel", *WORKER_SIDE_LAUNCHER, *WORKER_SIDE_UTILS)
     wrong = sorted(
         name
         for name, tree in modules().items()

@@ -14,6 +14,7 @@ from nbaccel.accel.strategies.base import Strategy
 from nbaccel.accel.strategies.data_parallel import DataParallel, ZeroOne
 from nbaccel.accel.strategies.deepspeed import DeepSpeed
 from nbaccel.accel.strategies.fully_sharded import FullySharded
+from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config
 
 
@@ -27,12 +28,17 @@ def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -
     return torch_process_state(config, env)
 
 
-def start(config: Config, env: Mapping[str, str] | None = None) -> Strategy:
-    """The strategy for this process under ``config``."""
-    return strategy_for(detect_process_state(config, env), config)
+def start(
+    config: Config, options: AcceleratorOptions | None = None, env: Mapping[str, str] | None = None
+) -> Strategy:
+    """The strategy for this process under ``config`` (``options``: the Accelerator's
+    keywords that are no config field, see ``nbaccel.config.accelerator_options``)."""
+    return strategy_for(detect_process_state(config, env), config, options)
 
 
-def strategy_for(state: ProcessState, config: Config) -> Strategy:
+def strategy_for(
+    state: ProcessState, config: Config, options: AcceleratorOptions | None = None
+) -> Strategy:
     """The strategy class the distributed type (and ``shard_optimizer_state``) asks for."""
     kind = state.distributed_type
     if kind is DistributedType.XLA:
@@ -40,15 +46,17 @@ def strategy_for(state: ProcessState, config: Config) -> Strategy:
 
         from nbaccel.accel.strategies.xla import XlaDataParallel, XlaSpmd
 
-        return XlaSpmd(state, config) if xr.is_spmd() else XlaDataParallel(state, config)
+        xla = XlaSpmd if xr.is_spmd() else XlaDataParallel
+        return xla(state, config, options)
     if kind is DistributedType.DEEPSPEED:
-        return DeepSpeed(state, config)
+        return DeepSpeed(state, config, options)
     if kind is DistributedType.FSDP:
-        return FullySharded(state, config)
+        return FullySharded(state, config, options)
     if kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         sharded_optimizer = config.shard_optimizer_state
-        return ZeroOne(state, config) if sharded_optimizer else DataParallel(state, config)
-    return Strategy(state, config)
+        data_parallel = ZeroOne if sharded_optimizer else DataParallel
+        return data_parallel(state, config, options)
+    return Strategy(state, config, options)
 
 
 __all__ = [

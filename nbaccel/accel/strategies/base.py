@@ -26,6 +26,7 @@ from nbaccel.accel import collectives, models
 from nbaccel.accel.checkpoint import DeviceHooks
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType, ProcessState
+from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config
 
 # {id(original parameter): the parameter that replaced it} (FSDP shards in place).
@@ -36,28 +37,34 @@ Batches = Iterator[Any]
 class Strategy:
     """One process on one device: no wrapping, no communication.
 
-    >>> import torch
-    >>> from nbaccel.config.schema import Config
-    >>> state = ProcessState(0, 0, 1, 1, torch.device("cpu"), DistributedType.NO, "")
-    >>> strategy = Strategy(state, Config())
-    >>> strategy.name, strategy.gather(torch.ones(2)).tolist(), strategy.checkpoint_layout
-    ('single', [1.0, 1.0], 'plain')
+        >>> import torch
+        >>> from nbaccel.config.accelerator_options import AcceleratorOptions
+    from nbaccel.config.schema import Config
+        >>> state = ProcessState(0, 0, 1, 1, torch.device("cpu"), DistributedType.NO, "")
+        >>> strategy = Strategy(state, Config())
+        >>> strategy.name, strategy.gather(torch.ones(2)).tolist(), strategy.checkpoint_layout
+        ('single', [1.0, 1.0], 'plain')
     """
 
     name = "single"
 
-    def __init__(self, state: ProcessState, config: Config) -> None:
+    def __init__(
+        self, state: ProcessState, config: Config, options: AcceleratorOptions | None = None
+    ) -> None:
         self.state = state
         self.config = config
+        # The Accelerator's keywords that are no config field (DDP's, the compiler's, ...).
+        self.options = options if options is not None else AcceleratorOptions(config, {})
 
     @property
     def distributed_type(self) -> DistributedType:
         return self.state.distributed_type
 
     # -- precision ------------------------------------------------------------------------
-    def make_precision(self, mode: str) -> Precision:
-        """The autocast and loss-scaling part for ``mode`` on this backend."""
-        return Precision(mode, self.state.device)
+    def make_precision(self, mode: str, **options: Any) -> Precision:
+        """The autocast and loss-scaling part for ``mode`` on this backend (``options``:
+        ``scaler_kwargs`` and ``autocast_kwargs`` for ``Precision``)."""
+        return Precision(mode, self.state.device, **options)
 
     # -- models and optimizers ------------------------------------------------------------
     def prepare_engine(

@@ -28,10 +28,10 @@ class DeepSpeed(DataParallel):
     # The DeepSpeed config the engine was built with (``auto`` values filled).
     ds_config: dict[str, Any] | None = None
 
-    def make_precision(self, mode: str) -> Precision:
+    def make_precision(self, mode: str, **options: Any) -> Precision:
         if self.ds_config is not None:  # a DeepSpeed config file may choose the precision
             mode = mixed_precision_of(self.ds_config, mode)
-        return Precision(mode, self.state.device, engine_scales=True)
+        return Precision(mode, self.state.device, engine_scales=True, **options)
 
     def prepare_engine(
         self, objects: list[Any], kinds: list[str], **options: Any

@@ -24,9 +24,9 @@ class FullySharded(DataParallel):
 
     name = "fsdp2"
 
-    def make_precision(self, mode: str) -> Precision:
+    def make_precision(self, mode: str, **options: Any) -> Precision:
         # FSDP's MixedPrecisionPolicy casts the parameters; Precision keeps autocast only.
-        return Precision(mode, self.state.device, sharded=True)
+        return Precision(mode, self.state.device, sharded=True, **options)
 
     def prepare_model(
         self,

@@ -34,6 +34,7 @@ from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import ProcessState
 from nbaccel.accel.strategies.base import Batches, ParameterSwap, Strategy
 from nbaccel.accel.xla_prepare import Batch
+from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config
 
 
@@ -42,8 +43,10 @@ class XlaDataParallel(Strategy):
 
     name = "xla"
 
-    def __init__(self, state: ProcessState, config: Config) -> None:
-        super().__init__(state, config)
+    def __init__(
+        self, state: ProcessState, config: Config, options: AcceleratorOptions | None = None
+    ) -> None:
+        super().__init__(state, config, options)
         self.device = state.device
         self.mesh: Any = None  # SPMD's device mesh (XlaSpmd); None in data parallel
         self._loaders_syncing = 0  # torch_xla loaders mid-iteration (they sync per batch)
@@ -212,8 +215,10 @@ class XlaSpmd(XlaDataParallel):
 
     name = "xla-spmd"
 
-    def __init__(self, state: ProcessState, config: Config) -> None:
-        super().__init__(state, config)
+    def __init__(
+        self, state: ProcessState, config: Config, options: AcceleratorOptions | None = None
+    ) -> None:
+        super().__init__(state, config, options)
         self.mesh = xla_prepare.fsdp_mesh()
 
 

@@ -377,7 +377,7 @@ def test_gather_for_metrics_drops_the_padding_of_the_last_batch() -> None:
     acc = Accelerator()
     rows = torch.arange(8).reshape(4, 2)
     assert acc.gather_for_metrics(rows).shape == (4, 2)  # not at the end: all rows
-    acc.gradients.end_of_dataloader, acc.gradients.remainder = True, 3
+    acc.gradient_state.end_of_dataloader, acc.gradient_state.remainder = True, 3
     assert torch.equal(acc.gather_for_metrics(rows), rows[:3])
     assert acc.gather_for_metrics({"r": [rows]})["r"][0].shape == (3, 2)
     assert acc.gather_for_metrics(["a", "b", "c", "d"]) == ["a", "b", "c"]
@@ -488,9 +488,9 @@ def test_outputs_with_non_tensor_leaves_still_come_back_in_fp32() -> None:
 
 
 def test_accelerates_gradient_accumulation_plugin_is_read_by_its_fields() -> None:
-    from types import SimpleNamespace
+    from nbaccel.utils import GradientAccumulationPlugin
 
-    plugin = SimpleNamespace(num_steps=3, sync_each_batch=True)  # GradientAccumulationPlugin
+    plugin = GradientAccumulationPlugin(num_steps=3, sync_each_batch=True)
     acc = Accelerator(gradient_accumulation_plugin=plugin)
     assert acc.gradient_accumulation_steps == 3
     assert acc.config.sync_each_batch is True

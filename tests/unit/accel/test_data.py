@@ -144,7 +144,7 @@ def test_gather_for_metrics_over_an_uneven_epoch_counts_every_sample_once() -> N
     loader = acc.prepare(DataLoader(torch.arange(10), batch_size=4, shuffle=True))
     seen = [i for batch in loader for i in acc.gather_for_metrics(batch).tolist()]
     assert sorted(seen) == list(range(10))
-    assert not acc.gradients.end_of_dataloader  # reset after the epoch
+    assert not acc.gradient_state.end_of_dataloader  # reset after the epoch
 
 
 def test_world_size_1_yields_the_users_batches_unpadded() -> None:

@@ -1,0 +1,180 @@
+"""Hugging Face Accelerate's ``accelerate.utils`` names, for ``from nbaccel.utils import ...``.
+
+Code written for Accelerate runs with ``accelerate.utils`` changed to ``nbaccel.utils``:
+seeding, module-level collectives, batch-size search, empty-weight model creation,
+availability checks, and the ``DistributedType`` enum. The names load on first use, so
+``import nbaccel.utils`` in a notebook kernel does not import torch; only the names that
+need it do (all but the ``is_*_available`` package checks).
+
+>>> from nbaccel.utils import set_seed, gather_object
+>>> set_seed(0)
+>>> gather_object(["only rank"])
+['only rank']
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nbaccel.accel.skip_batches import skip_first_batches
+    from nbaccel.accel.state import DistributedType
+    from nbaccel.config.accelerator_configs import DataLoaderConfiguration, ProjectConfiguration
+    from nbaccel.config.fsdp_plugin import FullyShardedDataParallelPlugin
+    from nbaccel.config.kwargs_handlers import (
+        AutocastKwargs,
+        DDPCommunicationHookType,
+        DistributedDataParallelKwargs,
+        GradientAccumulationPlugin,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        KwargsHandler,
+        ProfileKwargs,
+        TorchDynamoPlugin,
+    )
+    from nbaccel.config.plugins import DeepSpeedPlugin
+    from nbaccel.utils.availability import (
+        is_bf16_available,
+        is_cuda_available,
+        is_datasets_available,
+        is_deepspeed_available,
+        is_mlflow_available,
+        is_rich_available,
+        is_tensorboard_available,
+        is_torch_xla_available,
+        is_transformers_available,
+        is_wandb_available,
+    )
+    from nbaccel.utils.memory import (
+        find_executable_batch_size,
+        release_memory,
+        should_reduce_batch_size,
+    )
+    from nbaccel.utils.modeling import init_empty_weights, init_on_device
+    from nbaccel.utils.operations import (
+        broadcast,
+        broadcast_object_list,
+        gather,
+        gather_object,
+        pad_across_processes,
+        reduce,
+        send_to_device,
+        wait_for_everyone,
+    )
+    from nbaccel.utils.random import set_seed, synchronize_rng_state, synchronize_rng_states
+
+_HANDLERS = (
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "ProfileKwargs",
+    "TorchDynamoPlugin",
+)
+# Each name, by the module that defines it (imported on first use).
+_DEFINED_IN = {
+    "DistributedType": "nbaccel.accel.state",
+    "skip_first_batches": "nbaccel.accel.skip_batches",
+    **dict.fromkeys(
+        (
+            "broadcast",
+            "broadcast_object_list",
+            "gather",
+            "gather_object",
+            "pad_across_processes",
+            "reduce",
+            "send_to_device",
+            "wait_for_everyone",
+        ),
+        "nbaccel.utils.operations",
+    ),
+    **dict.fromkeys(
+        ("set_seed", "synchronize_rng_state", "synchronize_rng_states"), "nbaccel.utils.random"
+    ),
+    **dict.fromkeys(
+        ("find_executable_batch_size", "release_memory", "should_reduce_batch_size"),
+        "nbaccel.utils.memory",
+    ),
+    **dict.fromkeys(("init_empty_weights", "init_on_device"), "nbaccel.utils.modeling"),
+    **dict.fromkeys(
+        (
+            "is_bf16_available",
+            "is_cuda_available",
+            "is_datasets_available",
+            "is_deepspeed_available",
+            "is_mlflow_available",
+            "is_rich_available",
+            "is_tensorboard_available",
+            "is_torch_xla_available",
+            "is_transformers_available",
+            "is_wandb_available",
+        ),
+        "nbaccel.utils.availability",
+    ),
+    # -- Accelerate's plugins, kwargs handlers and configuration classes (torch-free) -------
+    "DeepSpeedPlugin": "nbaccel.config.plugins",
+    "FullyShardedDataParallelPlugin": "nbaccel.config.fsdp_plugin",
+    **dict.fromkeys(_HANDLERS, "nbaccel.config.kwargs_handlers"),
+    **dict.fromkeys(
+        ("ProjectConfiguration", "DataLoaderConfiguration"), "nbaccel.config.accelerator_configs"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEFINED_IN:
+        return getattr(importlib.import_module(_DEFINED_IN[name]), name)
+    raise AttributeError(f"module 'nbaccel.utils' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "ProfileKwargs",
+    "ProjectConfiguration",
+    "TorchDynamoPlugin",
+    "broadcast",
+    "broadcast_object_list",
+    "find_executable_batch_size",
+    "gather",
+    "gather_object",
+    "init_empty_weights",
+    "init_on_device",
+    "is_bf16_available",
+    "is_cuda_available",
+    "is_datasets_available",
+    "is_deepspeed_available",
+    "is_mlflow_available",
+    "is_rich_available",
+    "is_tensorboard_available",
+    "is_torch_xla_available",
+    "is_transformers_available",
+    "is_wandb_available",
+    "pad_across_processes",
+    "reduce",
+    "release_memory",
+    "send_to_device",
+    "set_seed",
+    "should_reduce_batch_size",
+    "skip_first_batches",
+    "synchronize_rng_state",
+    "synchronize_rng_states",
+    "wait_for_everyone",
+]
