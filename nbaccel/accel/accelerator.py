@@ -14,55 +14,52 @@ naming the reason (``refusals``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import IO, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from nbaccel.accel import (
-    collectives,
     ddp_controls,
     device_map,
-    lomo,
-    profiling,
-    saving,
     strategies,
-    tracker_lookup,
 )
-from nbaccel.accel.checkpointing import Checkpoints, LoadHook, SaveHook
-from nbaccel.accel.optim import AcceleratedOptimizer, GradientState
+from nbaccel.accel.checkpointing import Checkpoints
+from nbaccel.accel.communication import Communication
+from nbaccel.accel.forwarding import option, part_member, settable
+from nbaccel.accel.optim import GradientState
 from nbaccel.accel.partial_state import AcceleratorState
 from nbaccel.accel.preparation import Prepared
 from nbaccel.accel.refusals import refuse_arguments, refuse_members
 from nbaccel.accel.skip_batches import skip_first_batches
 from nbaccel.accel.state import DistributedType, launch_config
 from nbaccel.accel.tracking import Tracking
-from nbaccel.accel.trigger import TriggerFlag
+from nbaccel.accel.training_step import TrainingStep
 from nbaccel.config.accelerator_options import apply_accelerator_arguments
 from nbaccel.config.kwargs_handlers import collect_handlers
 from nbaccel.config.schema import Config
 
 
 def _process_member(name: str) -> Any:
-    """A member that ``AcceleratorState`` implements (same name, signature and docstring)."""
-    member = getattr(AcceleratorState, name)
-    if isinstance(member, property):
-        return property(lambda self: getattr(self.state, name), doc=member.__doc__)
-
-    @functools.wraps(member)
-    def forward(self: Accelerator, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.state, name)(*args, **kwargs)
-
-    return forward
+    return part_member("state", AcceleratorState, name)
 
 
-def _option(path: str, doc: str) -> property:
-    """A read-only view of one of the applied options (``options.dataloader.non_blocking``)."""
-    return property(lambda self: functools.reduce(getattr, path.split("."), self), doc=doc)
+def _checkpoint_member(name: str) -> Any:
+    return part_member("_checkpoints", Checkpoints, name)
+
+
+def _tracking_member(name: str) -> Any:
+    return part_member("_tracking", Tracking, name)
+
+
+def _step_member(name: str) -> Any:
+    return part_member("_step", TrainingStep, name)
+
+
+def _communication_member(name: str) -> Any:
+    return part_member("_communication", Communication, name)
 
 
 @refuse_members
@@ -82,6 +79,9 @@ class Accelerator:
     >>> acc.step, acc.sync_gradients, acc.num_processes, str(acc.device)
     (2, True, 1, 'cpu')
     """
+
+    _step: TrainingStep  # the parts, made in __init__
+    _communication: Communication
 
     def __init__(
         self,
@@ -162,11 +162,28 @@ class Accelerator:
             even_batches=self.options.dataloader.even_batches,
             step_scheduler_with_optimizer=step_scheduler_with_optimizer,
             ddp_kwargs={**self.options.ddp_kwargs, **(ddp_kwargs or {})},
-            clip=self._config_clip if self.config.max_grad_norm is not None else None,
+            # max_grad_norm from the config: clipped inside each optimizer step.
+            clip=(lambda opt: self._step.config_clip(opt)) if self.config.max_grad_norm else None,
         )
         self._checkpoints = Checkpoints(self._prepared, self.gradient_state, self.options.project)
-        self._tracking = Tracking(self.config, self.strategy.state, self.wait_for_everyone)
-        self._trigger = TriggerFlag(self.device, self.reduce)
+        self._tracking = Tracking(
+            self.config, self.strategy.state, self.wait_for_everyone, self.handlers.profile
+        )
+        # Accelerate keeps these as plain attributes; so does nbaccel (code may set them).
+        self.dataloader_config = self.options.dataloader
+        self.project_configuration = self.options.project
+        self.rng_types = list(self.options.rng_types)
+        self.log_with = list(self.config.log_with)
+        self.native_amp = self.config.mixed_precision in ("fp16", "bf16")
+        handlers = self.handlers
+        self.ddp_handler, self.scaler_handler, self.init_handler = (
+            handlers.ddp,
+            handlers.scaler,
+            handlers.init,
+        )
+        self.autocast_handler, self.profile_handler = handlers.autocast, handlers.profile
+        self._step = TrainingStep(self._prepared, self.gradient_state, self.config.max_grad_norm)
+        self._communication = Communication(self.strategy, self.gradient_state)
 
     # -- who and where (AcceleratorState's members) --------------------------------------
     device = _process_member("device")
@@ -192,31 +209,22 @@ class Accelerator:
     # -- settings (read from the applied config and options) ------------------------------
     mixed_precision = property(lambda self: self._prepared.precision.mode)
     precision = property(lambda self: self._prepared.precision)
-    native_amp = property(lambda self: self.mixed_precision in ("fp16", "bf16"))
-    log_with = property(lambda self: list(self.config.log_with))
     split_batches = property(lambda self: self._prepared.split_batches)
-    dataloader_config = _option("options.dataloader", "Accelerate's DataLoaderConfiguration.")
-    dispatch_batches = _option("options.dataloader.dispatch_batches", "From dataloader_config.")
-    non_blocking = _option("options.dataloader.non_blocking", "From dataloader_config.")
-    use_seedable_sampler = _option("options.dataloader.use_seedable_sampler", "Ditto.")
-    use_stateful_dataloader = _option("options.dataloader.use_stateful_dataloader", "Ditto.")
-    project_configuration = _option("options.project", "Accelerate's ProjectConfiguration.")
-    logging_dir = _option("options.project.logging_dir", "Where trackers write.")
-    save_iteration = _option("options.project.iteration", "The next automatic checkpoint's number.")
-    rng_types = _option("options.rng_types", "The random generators synchronised each epoch.")
-    ddp_handler = _option("handlers.ddp", "The DistributedDataParallelKwargs given, or None.")
-    scaler_handler = _option("handlers.scaler", "The GradScalerKwargs given, or None.")
-    init_handler = _option("handlers.init", "The InitProcessGroupKwargs given, or None.")
-    autocast_handler = _option("handlers.autocast", "The AutocastKwargs given, or None.")
-    profile_handler = _option("handlers.profile", "The ProfileKwargs given, or None.")
-    deepspeed_plugin = _option("state.deepspeed_plugin", "DeepSpeed's settings, or None.")
-    deepspeed_config = property(lambda self: getattr(self.strategy, "ds_config", None))
-    deepspeed_engine_wrapped = property(lambda self: self.strategy.engine)
-    parallelism_config = property(lambda self: None, doc="None: no ParallelismConfig (refused).")
-    is_composable_parallelism_enabled = property(lambda self: False)
+    dispatch_batches = option("dataloader_config.dispatch_batches", "From dataloader_config.")
+    non_blocking = option("dataloader_config.non_blocking", "From dataloader_config.")
+    use_seedable_sampler = option("dataloader_config.use_seedable_sampler", "Ditto.")
+    use_stateful_dataloader = option("dataloader_config.use_stateful_dataloader", "Ditto.")
+    logging_dir = option("project_configuration.logging_dir", "Where trackers write.")
+    save_iteration = option("project_configuration.iteration", "Next automatic checkpoint's n.")
+    deepspeed_plugin = option("state.deepspeed_plugin", "DeepSpeed's settings, or None.")
+    deepspeed_config = settable("strategy.ds_config", "The DeepSpeed config of the engine.")
+    deepspeed_engine_wrapped = settable("strategy.run", "DeepSpeed's engine and its run.")
+    scaler = settable("_prepared.precision.scaler", "The fp16 GradScaler, or None.")
+    flag_tensor = settable("_communication.trigger.tensor", "set_trigger's flag.")
+    parallelism_config = None  # no ParallelismConfig: refused (refusals.py)
+    torch_device_mesh = None
+    is_composable_parallelism_enabled = False
     should_save_model = property(lambda self: True, doc="Every rank takes part in saving.")
-    scaler = property(lambda self: self._prepared.precision.scaler)
-    flag_tensor = property(lambda self: self._trigger.tensor, doc="set_trigger's flag.")
     is_fsdp2 = property(lambda self: self.distributed_type is DistributedType.FSDP)
 
     @property
@@ -272,10 +280,6 @@ class Accelerator:
         """True when the last step was skipped for inf/NaN fp16 gradients."""
         return any(opt.step_was_skipped for opt in self._prepared.optimizers)
 
-    @property
-    def has_lomo_optimizer(self) -> bool:
-        return any(lomo.is_lomo_optimizer(o) for o in self._prepared.optimizers)
-
     # -- prepare ---------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
         """Wrap models, optimizers, schedulers and dataloaders, in any order and number.
@@ -326,27 +330,7 @@ class Accelerator:
         ``load_state`` it replaces the restored position, so nothing is skipped twice."""
         return skip_first_batches(dataloader, num_batches)
 
-    # -- the step --------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, divided by the accumulation steps and scaled for fp16 (with a
-        LOMO optimizer and ``learning_rate=``: its fused backward, which also steps)."""
-        learning_rate = kwargs.pop("learning_rate", None)
-        if learning_rate is not None and self.has_lomo_optimizer:
-            steps = self.gradient_accumulation_steps
-            self.lomo_backward(loss / steps if steps > 1 else loss, learning_rate)
-            return
-        self.strategy.backward(
-            loss,
-            accumulation_steps=self.gradient_accumulation_steps,
-            scaler=self.scaler,
-            sync_gradients=self.sync_gradients,
-            **kwargs,
-        )
-
-    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
-        """The fused backward-and-update of a prepared LOMO / AdaLomo optimizer."""
-        lomo.lomo_backward(loss, learning_rate, self._prepared.optimizers)
-
+    # -- the step (TrainingStep's members, but accumulate) ---------------------------------
     @contextlib.contextmanager
     def accumulate(self, *models_: torch.nn.Module) -> Iterator[None]:
         """One micro-step: gradients sync (and the optimizer steps) every k-th call.
@@ -370,108 +354,24 @@ class Accelerator:
                     stack.enter_context(self.strategy.no_sync(model))
             yield
 
-    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
-        """Suspend the gradient reduction of a DDP or FSDP model (a no-op on one process)."""
-        return self.strategy.no_sync(model)
-
+    backward = _step_member("backward")
+    lomo_backward = _step_member("lomo_backward")
+    no_sync = _step_member("no_sync")
     trigger_sync_in_backward = staticmethod(ddp_controls.trigger_sync_in_backward)
+    join_uneven_inputs = _step_member("join_uneven_inputs")
+    autocast = _step_member("autocast")
+    unscale_gradients = _step_member("unscale_gradients")
+    clip_grad_norm_ = _step_member("clip_grad_norm_")
+    clip_grad_value_ = _step_member("clip_grad_value_")
+    has_lomo_optimizer = settable("_step.has_lomo_optimizer", "A LOMO optimizer was prepared.")
 
-    def join_uneven_inputs(
-        self, joinables: Sequence[Any], even_batches: bool | None = None
-    ) -> contextlib.AbstractContextManager[None]:
-        """Train on uneven inputs: ranks that run out of batches shadow the others' all-reduces
-        (torch's ``Join``); ``even_batches`` overrides the prepared loaders' inside the block."""
-        return ddp_controls.join_uneven_inputs(
-            joinables,
-            even_batches,
-            distributed_type=self.distributed_type,
-            num_processes=self.num_processes,
-            default_even_batches=self.even_batches,
-            dataloaders=self._prepared.dataloaders,
-        )
-
-    def autocast(
-        self, enabled: bool = True, autocast_handler: Any = None
-    ) -> contextlib.AbstractContextManager[None]:
-        """Autocast for the configured precision, for code outside the model's forward;
-        ``autocast_handler`` (an ``AutocastKwargs``) overrides the Accelerator's."""
-        handler = autocast_handler.to_kwargs() if autocast_handler is not None else {}
-        return self._prepared.precision.autocast(enabled, **handler)
-
-    def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Unscale the fp16 gradients of ``optimizer`` (default: every prepared one); once
-        per step."""
-        chosen = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
-        for prepared in self._prepared.optimizers:
-            if optimizer is None or prepared in chosen:
-                prepared.unscale_gradients()
-
-    def clip_grad_norm_(
-        self, parameters: Any, max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor | None:
-        """Unscale, then clip the gradients' total norm; None while accumulating."""
-        if not self.sync_gradients:
-            return None  # clipping a partial sum is meaningless (and would unscale twice)
-        if not self.strategy.clips_in_engine:
-            self._reduce_and_unscale()
-        return self.strategy.clip_grad_norm_(list(parameters), max_norm, norm_type)
-
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Unscale, then clamp each gradient to ``[-clip_value, clip_value]``."""
-        if not self.sync_gradients:
-            return
-        self._reduce_and_unscale()
-        torch.nn.utils.clip_grad_value_(list(parameters), clip_value)
-
-    def _reduce_and_unscale(self) -> None:
-        # XLA replicas all-reduce before clipping, so every replica clips the same sum.
-        for optimizer in self._prepared.optimizers:
-            optimizer.reduce_gradients()
-        self.unscale_gradients()
-        for optimizer in self._prepared.optimizers:
-            optimizer.clipped = True
-
-    def _config_clip(self, optimizer: AcceleratedOptimizer) -> None:
-        # max_grad_norm from the config: clipped inside each optimizer step.
-        optimizer.reduce_gradients()
-        optimizer.unscale_gradients()
-        assert self.config.max_grad_norm is not None
-        torch.nn.utils.clip_grad_norm_(list(optimizer.parameters()), self.config.max_grad_norm)
-
-    # -- across processes ------------------------------------------------------------------
-    def gather(self, tensor: Any) -> Any:
-        """Every rank's tensors concatenated along dim 0."""
-        return self.strategy.gather(tensor)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Like ``gather``, minus the samples repeated to even out the last batch."""
-        as_objects = use_gather_object or not collectives.holds_tensors(input_data)
-        data = self.strategy.gather_object(input_data) if as_objects else self.gather(input_data)
-        grads = self.gradient_state
-        if grads.end_of_dataloader and grads.remainder >= 0:
-            # Gathered objects are one list (cut the list); tensors are cut row-wise.
-            keep = grads.remainder
-            data = data[:keep] if as_objects else collectives.truncate(data, keep)
-        return data
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Sum or average tensors over ranks."""
-        return self.strategy.reduce(tensor, reduction, scale)
-
-    def pad_across_processes(
-        self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
-    ) -> Any:
-        """Pad tensors along ``dim`` to the largest size on any rank."""
-        return self.strategy.pad_across_processes(tensor, dim, pad_index, pad_first)
-
-    def set_trigger(self) -> None:
-        """Raise this rank's flag; ``check_trigger`` on every rank then returns True."""
-        self._trigger.set()
-
-    def check_trigger(self) -> bool:
-        """True on every rank if any rank called ``set_trigger`` since the last check (a
-        collective: call it on every rank); resets the flag."""
-        return self._trigger.check()
+    # -- across processes (Communication's members) ----------------------------------------
+    gather = _communication_member("gather")
+    gather_for_metrics = _communication_member("gather_for_metrics")
+    reduce = _communication_member("reduce")
+    pad_across_processes = _communication_member("pad_across_processes")
+    set_trigger = _communication_member("set_trigger")
+    check_trigger = _communication_member("check_trigger")
 
     # -- models, weights and checkpoints -----------------------------------------------------
     def unwrap_model(
@@ -484,117 +384,35 @@ class Accelerator:
         when asked (Accelerate's defaults keep both, so training goes on unchanged)."""
         return self.strategy.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        """The model's whole state dict as plain tensors, gathered from the shards of FSDP
-        or ZeRO-3 (every rank must call it then; rank 0 gets the weights, the others ``{}``).
-        ``unwrap=False`` keeps the wrapper's keys (``module.`` under DDP) when unsharded."""
-        self.strategy.before_save()
-        if not unwrap and self.strategy.checkpoint_layout == "plain":
-            return dict(model.state_dict())
-        return self.strategy.full_state_dict(model)
-
-    def save(
-        self, obj: Any, f: str | os.PathLike[str] | IO[bytes], safe_serialization: bool = False
-    ) -> None:
-        """``torch.save`` (or safetensors) from the process that writes: the main one, or each
-        node's with ``save_on_each_node``. Fits ``save_pretrained(save_function=...)``."""
-        saving.save(
-            obj,
-            f,
-            is_main_process=self.is_main_process,
-            is_local_main_process=self.is_local_main_process,
-            save_on_each_node=self.options.project.save_on_each_node,
-            safe_serialization=safe_serialization,
-        )
-
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str]) -> None:
-        """Write the consolidated weights to ``save_directory/model.safetensors`` (rank 0)."""
-        self.strategy.before_save()
-        self.strategy.save_model(model, Path(save_directory), self.is_main_process)
-        self.wait_for_everyone()
+    get_state_dict = _checkpoint_member("get_state_dict")
+    save = _checkpoint_member("save")
+    save_model = _checkpoint_member("save_model")
+    save_state = _checkpoint_member("save_state")
+    load_state = _checkpoint_member("load_state")
+    register_for_checkpointing = _checkpoint_member("register_for_checkpointing")
+    register_save_state_pre_hook = _checkpoint_member("register_save_state_pre_hook")
+    register_load_state_pre_hook = _checkpoint_member("register_load_state_pre_hook")
 
     def verify_device_map(self, model: torch.nn.Module) -> bool:
         """True when ``model`` was dispatched over several devices with a device map."""
         return device_map.verify_device_map(model)
 
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict``/``load_state_dict`` in save/load_state."""
-        self._checkpoints.register(objects)
+    # -- trackers and profiling (Tracking's members) --------------------------------------
+    project_dir = _tracking_member("project_dir")
+    init_trackers = _tracking_member("init_trackers")
+    log = _tracking_member("log")
+    get_tracker = _tracking_member("get_tracker")
+    end_training = _tracking_member("end_training")
+    profile = _tracking_member("profile")
 
-    def register_save_state_pre_hook(self, hook: SaveHook) -> Any:
-        """Call ``hook(models, weights, output_dir)`` before each ``save_state``; popping an
-        entry of ``weights`` leaves that model out. Returns a handle with ``remove()``."""
-        self._checkpoints.save_hooks.append(hook)
-        return _Removable(self._checkpoints.save_hooks, hook)
+    @property
+    def trackers(self) -> list[Any]:
+        """The started trackers (main process; empty elsewhere)."""
+        return self._tracking.trackers
 
-    def register_load_state_pre_hook(self, hook: LoadHook) -> Any:
-        """Call ``hook(models, input_dir)`` before each ``load_state``; popping a model from
-        ``models`` leaves it unloaded. Returns a handle with ``remove()``."""
-        self._checkpoints.load_hooks.append(hook)
-        return _Removable(self._checkpoints.load_hooks, hook)
-
-    def save_state(
-        self,
-        output_dir: str | os.PathLike[str] | None = None,
-        safe_serialization: bool = True,
-        **save_model_func_kwargs: Any,
-    ) -> Path:
-        """Save the whole training state atomically; every process must call it. Without
-        ``output_dir``: ``project_dir/checkpoints/checkpoint_<n>`` when the project config
-        has ``automatic_checkpoint_naming`` (keeping its ``total_limit`` newest)."""
-        _no_extra_arguments("save_state", save_model_func_kwargs)
-        return self._checkpoints.save(output_dir)
-
-    def load_state(
-        self,
-        input_dir: str | os.PathLike[str] | None = None,
-        load_kwargs: dict[str, Any] | None = None,
-        **load_model_func_kwargs: Any,
-    ) -> None:
-        """Restore what ``save_state`` wrote, so training continues exactly (without
-        ``input_dir``: the newest automatically named checkpoint)."""
-        _no_extra_arguments("load_state", {**(load_kwargs or {}), **load_model_func_kwargs})
-        self._checkpoints.load(input_dir)
-
-    # -- trackers and profiling --------------------------------------------------------------
-    project_dir = property(lambda self: self._tracking.project_dir, doc="Where trackers write.")
-    trackers = property(lambda self: self._tracking.trackers)
-
-    def init_trackers(
-        self,
-        project_name: str,
-        config: dict[str, Any] | None = None,
-        init_kwargs: dict[str, dict[str, Any]] | None = None,
-    ) -> None:
-        """Start the ``log_with`` trackers (main process) under ``project_dir``."""
-        self._tracking.start(project_name, config, init_kwargs)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker called ``name`` (its library's object with ``unwrap=True``);
-        a tracker that does nothing on the other ranks."""
-        return tracker_lookup.get_tracker(self.trackers, name, unwrap)
-
-    def log(
-        self,
-        values: dict[str, Any],
-        step: int | None = None,
-        log_kwargs: dict[str, dict[str, Any]] | None = None,
-    ) -> None:
-        """Record scalars from the main process: ``run.metrics``, the live curve, trackers."""
-        self._tracking.log(values, step, log_kwargs or {})
-
-    def end_training(self) -> None:
-        """Flush and close the trackers; call at the end of training."""
-        self._tracking.end()
-
-    def profile(self, profile_handler: Any = None) -> contextlib.AbstractContextManager[Any]:
-        """``torch.profiler`` around the block, set by ``ProfileKwargs``; with
-        ``output_trace_dir`` each rank writes ``profile_<rank>.json`` there."""
-        return profiling.profile(
-            profile_handler or self.profile_handler,
-            process_index=self.process_index,
-            wait_for_everyone=self.wait_for_everyone,
-        )
+    @trackers.setter
+    def trackers(self, value: list[Any]) -> None:
+        self._tracking.trackers = value
 
     # -- memory ----------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> list[None]:
@@ -610,27 +428,6 @@ class Accelerator:
         return [None for _ in objects]
 
     clear = free_memory
-
-
-def _no_extra_arguments(member: str, given: dict[str, Any]) -> None:
-    if given:
-        raise NotImplementedError(
-            f"{member}({', '.join(given)}=...): those keywords are passed by Accelerate to its "
-            "model-file writer and reader (safetensors/torch.save of each model); nbaccel "
-            "checkpoints are its own atomic layout (docs/accelerator.md), so it has none of "
-            "them. Drop the keywords."
-        )
-
-
-class _Removable:
-    """What ``register_*_pre_hook`` returns: ``.remove()`` takes the hook out again."""
-
-    def __init__(self, hooks: list[Any], hook: Callable[..., Any]) -> None:
-        self._hooks, self._hook = hooks, hook
-
-    def remove(self) -> None:
-        if self._hook in self._hooks:
-            self._hooks.remove(self._hook)
 
 
 __all__ = ["Accelerator"]

@@ -13,11 +13,11 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from nbaccel.accel import checkpoint
+from nbaccel.accel import checkpoint, saving
 from nbaccel.accel.optim import GradientState
 from nbaccel.accel.preparation import Prepared
 from nbaccel.config.accelerator_configs import ProjectConfiguration
@@ -40,7 +40,37 @@ class Checkpoints:
         self.save_hooks: list[SaveHook] = []
         self.load_hooks: list[LoadHook] = []
 
-    def register(self, objects: tuple[Any, ...]) -> None:
+    # -- Accelerate's members (the Accelerator forwards them by name) ---------------------
+    def save_state(
+        self,
+        output_dir: str | os.PathLike[str] | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> Path:
+        """Save the whole training state atomically; every process must call it.
+
+        Models, optimizers, schedulers, dataloader positions, the loss scaler, every rank's
+        RNG states and registered objects, in the strategy's layout. Without ``output_dir``:
+        ``project_dir/checkpoints/checkpoint_<n>`` when the ``ProjectConfiguration`` has
+        ``automatic_checkpoint_naming`` (keeping its ``total_limit`` newest). nbaccel's files
+        are its own layout (``safe_serialization`` does not change them).
+        """
+        _no_extra_arguments("save_state", save_model_func_kwargs)
+        return self.save_folder(output_dir)
+
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        **load_model_func_kwargs: Any,
+    ) -> None:
+        """Restore what ``save_state`` wrote, so training continues exactly (without
+        ``input_dir``: the newest automatically named checkpoint)."""
+        _no_extra_arguments("load_state", {**(load_kwargs or {}), **load_model_func_kwargs})
+        self.load_folder(input_dir)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include objects with ``state_dict``/``load_state_dict`` in save/load_state."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(
@@ -48,6 +78,50 @@ class Checkpoints:
                     "and load_state_dict(); only such objects can be checkpointed."
                 )
         self.prepared.custom.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: SaveHook) -> RemovableHook:
+        """Call ``hook(models, weights, output_dir)`` before each ``save_state``; popping an
+        entry of ``weights`` leaves that model out. Returns a handle with ``remove()``."""
+        self.save_hooks.append(hook)
+        return RemovableHook(self.save_hooks, hook)
+
+    def register_load_state_pre_hook(self, hook: LoadHook) -> RemovableHook:
+        """Call ``hook(models, input_dir)`` before each ``load_state``; popping a model from
+        ``models`` leaves it unloaded. Returns a handle with ``remove()``."""
+        self.load_hooks.append(hook)
+        return RemovableHook(self.load_hooks, hook)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The model's whole state dict as plain tensors, gathered from the shards of FSDP
+        or ZeRO-3 (every rank must call it then; rank 0 gets the weights, the others ``{}``).
+        ``unwrap=False`` keeps the wrapper's keys (``module.`` under DDP) when unsharded."""
+        strategy = self.prepared.strategy
+        strategy.before_save()
+        if not unwrap and strategy.checkpoint_layout == "plain":
+            return dict(model.state_dict())
+        return strategy.full_state_dict(model)
+
+    def save(
+        self, obj: Any, f: str | os.PathLike[str] | IO[bytes], safe_serialization: bool = False
+    ) -> None:
+        """``torch.save`` (or safetensors) from the process that writes: the main one, or each
+        machine's with ``save_on_each_node``. Fits ``save_pretrained(save_function=...)``."""
+        state = self.prepared.strategy.state
+        saving.save(
+            obj,
+            f,
+            is_main_process=state.is_main_process,
+            is_local_main_process=state.is_local_main_process,
+            save_on_each_node=self.project.save_on_each_node,
+            safe_serialization=safe_serialization,
+        )
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str]) -> None:
+        """Write the consolidated weights to ``save_directory/model.safetensors`` (rank 0)."""
+        strategy = self.prepared.strategy
+        strategy.before_save()
+        strategy.save_model(model, Path(save_directory), strategy.state.is_main_process)
+        strategy.barrier()
 
     def stateful(self, models: list[torch.nn.Module] | None = None) -> checkpoint.Stateful:
         prepared, strategy = self.prepared, self.prepared.strategy
@@ -67,7 +141,7 @@ class Checkpoints:
         unwrap = self.prepared.strategy.unwrap_model
         return [unwrap(m, keep_autocast=True, keep_compile=False) for m in self.prepared.models]
 
-    def save(self, output_dir: str | os.PathLike[str] | None) -> Path:
+    def save_folder(self, output_dir: str | os.PathLike[str] | None) -> Path:
         state = self.prepared.strategy.state
         if output_dir is None:
             output_dir = self._next_automatic_folder()
@@ -89,7 +163,7 @@ class Checkpoints:
             progress={"step": self.step, "cycle": self.gradients.micro_steps_in_cycle},
         )
 
-    def load(self, input_dir: str | os.PathLike[str] | None) -> None:
+    def load_folder(self, input_dir: str | os.PathLike[str] | None) -> None:
         state = self.prepared.strategy.state
         if input_dir is None:
             input_dir = self._newest_automatic_folder()
@@ -147,3 +221,24 @@ class Checkpoints:
                 f"load_state: no checkpoint_<n> folder under {self._automatic_root()} to load."
             )
         return numbered[-1]
+
+
+class RemovableHook:
+    """What ``register_*_pre_hook`` returns: ``.remove()`` takes the hook out again."""
+
+    def __init__(self, hooks: list[Any], hook: Callable[..., Any]) -> None:
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+def _no_extra_arguments(member: str, given: dict[str, Any]) -> None:
+    if given:
+        raise NotImplementedError(
+            f"{member}({', '.join(given)}=...): Accelerate passes those keywords to its "
+            "model-file writer and reader (safetensors/torch.save of each model); nbaccel "
+            "checkpoints are its own atomic layout (docs/accelerator.md) and take none. Drop "
+            "the keywords."
+        )

@@ -292,7 +292,6 @@ def settable(owner: type, name: str) -> bool:
     return not hasattr(type(static), "__set__")
 
 
-@pending_integration
 def test_every_accelerator_member_is_implemented_or_refused() -> None:
     import nbaccel
 
@@ -314,7 +313,6 @@ def test_every_accelerator_member_is_implemented_or_refused() -> None:
     report("nbaccel.Accelerator", missing)
 
 
-@pending_integration
 def test_the_constructor_takes_every_accelerate_argument() -> None:
     import nbaccel
 
@@ -361,6 +359,5 @@ def test_the_commonly_imported_accelerate_utils_are_in_nbaccel_utils() -> None:
     report("nbaccel.utils", missing_names("nbaccel.utils", UTILS_NAMES, UTILS_REFUSALS))
 
 
-@pending_integration
 def test_get_logger_is_in_nbaccel_logging() -> None:
     report("nbaccel.logging", missing_names("nbaccel.logging", ["get_logger"], {}))
