@@ -404,7 +404,7 @@ def train_hybrid(processes_per_machine: int) -> dict[str, Any]:
     from nbaccel.config.sections import FSDPOptions
 
     acc = nbaccel.Accelerator()  # only for rank and device: sharding is applied directly
-    state = dataclasses.replace(acc.state, local_world_size=processes_per_machine)
+    state = dataclasses.replace(acc.strategy.state, local_world_size=processes_per_machine)
     model = blocks_model()
     options = FSDPOptions(sharding_strategy="HYBRID_SHARD", transformer_layer_cls="Block")
     sharding.shard_model(model, options, state, None)

@@ -37,13 +37,12 @@ Batches = Iterator[Any]
 class Strategy:
     """One process on one device: no wrapping, no communication.
 
-        >>> import torch
-        >>> from nbaccel.config.accelerator_options import AcceleratorOptions
-    from nbaccel.config.schema import Config
-        >>> state = ProcessState(0, 0, 1, 1, torch.device("cpu"), DistributedType.NO, "")
-        >>> strategy = Strategy(state, Config())
-        >>> strategy.name, strategy.gather(torch.ones(2)).tolist(), strategy.checkpoint_layout
-        ('single', [1.0, 1.0], 'plain')
+    >>> import torch
+    >>> from nbaccel.config.schema import Config
+    >>> state = ProcessState(0, 0, 1, 1, torch.device("cpu"), DistributedType.NO, "")
+    >>> strategy = Strategy(state, Config())
+    >>> strategy.name, strategy.gather(torch.ones(2)).tolist(), strategy.checkpoint_layout
+    ('single', [1.0, 1.0], 'plain')
     """
 
     name = "single"
