@@ -62,6 +62,17 @@ class ModelPrepared:
 
 
 @dataclass(frozen=True)
+class SettingsApplied:
+    """Rank 0's Accelerator changed settings from the launch's config (a plugin, a kwargs
+    handler, its own arguments): ``{flat name: value}`` and each one's source."""
+
+    rank: int
+    values: dict[str, Any]
+    sources: dict[str, str]
+    time: float
+
+
+@dataclass(frozen=True)
 class LogLine:
     """One line of a rank's output.
 
@@ -120,6 +131,7 @@ Event = (
     RunStarted
     | WorkerStarted
     | ModelPrepared
+    | SettingsApplied
     | LogLine
     | Metric
     | DeviceMemory

@@ -48,6 +48,21 @@ def report_model(num_params: int) -> None:
         session.events.send({"kind": "model", "num_params": int(num_params), "time": time.time()})
 
 
+def report_settings(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """Tell the launcher which settings the Accelerator changed from the launch's config
+    (plugins, kwargs handlers, its own arguments: only the worker knows them), with each
+    one's source, so ``run_dir/accelerator_config.json`` and the dashboard show what really
+    runs. A no-op outside an nbaccel worker.
+
+    >>> report_settings({"strategy": "fsdp"}, {"strategy": "plugin: FSDP plugin"})
+    """
+    session = active_session()
+    if session is not None and values:
+        session.events.send(
+            {"kind": "settings", "values": values, "sources": sources, "time": time.time()}
+        )
+
+
 def _scalar(name: object, value: Any) -> float:
     if hasattr(value, "item"):
         value = value.item()

@@ -39,7 +39,8 @@ from nbaccel.accel.tracking import Tracking
 from nbaccel.accel.training_step import TrainingStep
 from nbaccel.config.accelerator_options import apply_accelerator_arguments
 from nbaccel.config.kwargs_handlers import collect_handlers
-from nbaccel.config.schema import Config
+from nbaccel.config.schema import Config, flatten
+from nbaccel.metrics import report_settings
 
 
 def _process_member(name: str) -> Any:
@@ -119,8 +120,9 @@ class Accelerator:
             }
         )
         # Validated here (errors naming the field and the choices) before anything starts.
+        launch = launch_config(config)
         self.options = apply_accelerator_arguments(
-            launch_config(config),
+            launch,
             deepspeed_plugin=deepspeed_plugin,
             fsdp_plugin=fsdp_plugin,
             kwargs_handlers=kwargs_handlers,
@@ -142,6 +144,8 @@ class Accelerator:
         self.config = self.options.config
         self.handlers = collect_handlers(kwargs_handlers)  # validated above already
         self.strategy = strategies.start(self.config, self.options)
+        if self.strategy.state.is_main_process:
+            self._report_settings(launch)
         self.state = AcceleratorState.of(
             self.strategy.state, strategy=self.strategy, config=self.config
         )
@@ -184,6 +188,15 @@ class Accelerator:
         self.autocast_handler, self.profile_handler = handlers.autocast, handlers.profile
         self._step = TrainingStep(self._prepared, self.gradient_state, self.config.max_grad_norm)
         self._communication = Communication(self.strategy, self.gradient_state)
+
+    def _report_settings(self, launch: Config) -> None:
+        # Only the worker sees the plugins and arguments: rank 0 tells the launcher what
+        # changed (run_dir/accelerator_config.json, the dashboard's header, text output).
+        before, after = flatten(launch), flatten(self.config)
+        changed = {name: value for name, value in after.items() if before[name] != value}
+        if changed:
+            sources = {name: self.options.sources.get(name, "Accelerator") for name in changed}
+            report_settings(changed, sources)
 
     # -- who and where (AcceleratorState's members) --------------------------------------
     device = _process_member("device")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from nbaccel.events import Event, LogLine, RunEnded, RunState
+from nbaccel.events import Event, LogLine, RunEnded, RunState, SettingsApplied
 
 
 class TextPrinter:
@@ -41,6 +41,15 @@ class TextPrinter:
                 self._stream.write("\n")
             if self._flush_per_line:
                 self._stream.flush()
+        elif isinstance(event, SettingsApplied):
+            changes = ", ".join(
+                f"{name}={value!r} ({event.sources.get(name, 'Accelerator')})"
+                for name, value in event.values.items()
+            )
+            self._stream.write(
+                ("\n" if self._open_rank is not None else "") + f"nbaccel: settings: {changes}\n"
+            )
+            self._open_rank = None
         elif isinstance(event, RunEnded):
             if self._open_rank is not None:
                 self._stream.write("\n")

@@ -35,6 +35,7 @@ from nbaccel.events import (
     RankExited,
     RunEnded,
     RunState,
+    SettingsApplied,
     WorkerStarted,
 )
 from nbaccel.launcher.arbiter import Arbiter
@@ -191,6 +192,13 @@ class RunPump:
             )
         elif kind == "model":
             self._emit(ModelPrepared(r.rank, message["num_params"], message["time"]))
+        elif kind == "settings" and r.rank == 0:
+            values, sources = message["values"], message["sources"]
+            # Beside config.json (the launch's): what the Accelerator made of it.
+            with private_file(self.run_dir / "accelerator_config.json") as file:
+                json.dump({"values": values, "sources": sources}, file, indent=2, default=str)
+            self._record({"event": "settings", "rank": r.rank, "values": values})
+            self._emit(SettingsApplied(r.rank, values, sources, message["time"]))
         elif kind == "metric":
             event = Metric(r.rank, message["step"], message["values"], message["time"])
             entry = {"event": "metric", "rank": r.rank, "step": message["step"]}

@@ -24,6 +24,7 @@ from nbaccel.events import (
     RunEnded,
     RunStarted,
     RunState,
+    SettingsApplied,
     WorkerStarted,
 )
 from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
@@ -168,6 +169,7 @@ class DashboardModel:
         self._progress: tuple[int, int] | None = None  # tqdm's n/total on rank 0
         self._progress_times: deque[tuple[float, int]] = deque()
         self.config: Config | None = None  # set by for_config: the memory estimate needs it
+        self.settings_sources: dict[str, str] = {}  # what rank 0's Accelerator changed, why
         self.estimate: MemoryEstimate | None = None  # per device, once rank 0 prepared a model
 
     @classmethod
@@ -195,6 +197,14 @@ class DashboardModel:
             self._on_metric(event)
         elif isinstance(event, WorkerStarted):
             self.pids[event.rank] = event.pid
+        elif isinstance(event, SettingsApplied):
+            # The Accelerator's plugins or arguments changed what runs: the header (and the
+            # memory estimate) follow the worker's settings, not the launch's.
+            self.strategy = str(event.values.get("strategy", self.strategy))
+            self.precision = str(event.values.get("mixed_precision", self.precision))
+            self.settings_sources = dict(event.sources)
+            if self.config is not None:
+                self.config = self.config.replace(**event.values)
         elif isinstance(event, ModelPrepared) and self.config is not None:
             # What the config panel estimated, now for the real model: shown by the bars.
             self.estimate = estimate_for_config(

@@ -85,3 +85,32 @@ def trigger_on_rank_one() -> list[bool]:
 def test_a_trigger_set_on_one_rank_reaches_every_rank(runs_dir: str) -> None:
     run = nbaccel.launch(trigger_on_rank_one, num_processes=2, runs_dir=runs_dir)
     assert run.results(timeout=120) == {0: [False, True, False], 1: [False, True, False]}
+
+
+def accelerator_with_plugin() -> str:
+    from nbaccel import Accelerator
+    from nbaccel.utils import FullyShardedDataParallelPlugin, GradScalerKwargs
+
+    acc = Accelerator(
+        mixed_precision="bf16",
+        fsdp_plugin=FullyShardedDataParallelPlugin(reshard_after_forward=False),
+        kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)],
+    )
+    return acc.distributed_type.value
+
+
+def test_what_the_workers_accelerator_changed_reaches_the_run_folder_and_output(
+    runs_dir: str, capsys: Any
+) -> None:
+    import json
+
+    run = nbaccel.launch(accelerator_with_plugin, num_processes=2, runs_dir=runs_dir)
+    assert run.result(timeout=120) == "FSDP"
+    written = json.loads((run.run_dir / "accelerator_config.json").read_text())
+    assert written["values"]["strategy"] == "fsdp"
+    assert written["values"]["mixed_precision"] == "bf16"
+    assert written["values"]["fsdp_sharding_strategy"] == "SHARD_GRAD_OP"
+    assert written["sources"]["fsdp_sharding_strategy"] == "plugin: FullyShardedDataParallelPlugin"
+    assert written["sources"]["mixed_precision"] == "Accelerator argument"
+    assert (run.run_dir / "accelerator_config.json").stat().st_mode & 0o777 == 0o600
+    assert "nbaccel: settings: " in capsys.readouterr().out

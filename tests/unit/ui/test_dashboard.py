@@ -613,3 +613,21 @@ def test_a_dropped_run_closes_its_non_blocking_dashboard() -> None:
     del run
     gc.collect()
     assert dash.closed and live_widgets() == before
+
+
+def test_settings_from_the_workers_accelerator_relabel_the_header_and_estimate() -> None:
+    from nbaccel.events import ModelPrepared, SettingsApplied
+
+    model = DashboardModel.for_config(Config(mixed_precision="no", strategy="ddp"), 2)
+    source = "plugin: FullyShardedDataParallelPlugin"
+    changed = {"strategy": "fsdp", "mixed_precision": "bf16"}
+    model.handle(SettingsApplied(0, changed, {"strategy": source}, 1.0))
+    head = model.header(now=2.0)
+    assert (head.strategy, head.precision) == ("fsdp", "bf16")
+    assert model.settings_sources == {"strategy": source}
+    model.handle(ModelPrepared(0, 1_000_000, 2.0))
+    assert model.estimate is not None
+    ddp = DashboardModel.for_config(Config(mixed_precision="bf16", strategy="ddp"), 2)
+    ddp.handle(ModelPrepared(0, 1_000_000, 2.0))
+    assert ddp.estimate is not None
+    assert model.estimate.total < ddp.estimate.total  # sharded: the estimate follows the plugin
