@@ -27,12 +27,23 @@ from nbaccel.errors import (
 )
 from nbaccel.events import RunState
 from nbaccel.launcher.run import Run
-from nbaccel.launching import launch, notebook_launcher
+from nbaccel.launching import debug_launcher, launch, notebook_launcher
 from nbaccel.metrics import log_metrics
 
 if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel never imports torch
     from nbaccel.accel import Accelerator, DistributedType
     from nbaccel.accel.partial_state import AcceleratorState, PartialState
+    from nbaccel.accel.refusals import (
+        ParallelismConfig,
+        cpu_offload,
+        cpu_offload_with_hook,
+        disk_offload,
+        dispatch_model,
+        infer_auto_device_map,
+        load_checkpoint_and_dispatch,
+        load_checkpoint_in_model,
+        prepare_pippy,
+    )
     from nbaccel.accel.skip_batches import skip_first_batches
     from nbaccel.config.accelerator_configs import DataLoaderConfiguration
     from nbaccel.config.kwargs_handlers import (
@@ -73,6 +84,16 @@ _WORKER_SIDE = {
     "init_on_device": "nbaccel.utils.modeling",
     "synchronize_rng_states": "nbaccel.utils.random",
     "is_rich_available": "nbaccel.utils.availability",
+    # Refused by name: calling one raises NotImplementedError with the reason (accel/refusals.py).
+    "ParallelismConfig": "nbaccel.accel.refusals",
+    "prepare_pippy": "nbaccel.accel.refusals",
+    "cpu_offload": "nbaccel.accel.refusals",
+    "cpu_offload_with_hook": "nbaccel.accel.refusals",
+    "disk_offload": "nbaccel.accel.refusals",
+    "dispatch_model": "nbaccel.accel.refusals",
+    "infer_auto_device_map": "nbaccel.accel.refusals",
+    "load_checkpoint_and_dispatch": "nbaccel.accel.refusals",
+    "load_checkpoint_in_model": "nbaccel.accel.refusals",
 }
 
 
@@ -105,6 +126,7 @@ __all__ = [
     "GradScalerKwargs",
     "HelperError",
     "InitProcessGroupKwargs",
+    "ParallelismConfig",
     "PartialState",
     "ProcessContext",
     "ProfileKwargs",
@@ -115,13 +137,22 @@ __all__ = [
     "SerializationError",
     "WorkerError",
     "active_session",
+    "cpu_offload",
+    "cpu_offload_with_hook",
+    "debug_launcher",
+    "disk_offload",
+    "dispatch_model",
     "find_executable_batch_size",
+    "infer_auto_device_map",
     "init_empty_weights",
     "init_on_device",
     "is_rich_available",
     "launch",
+    "load_checkpoint_and_dispatch",
+    "load_checkpoint_in_model",
     "log_metrics",
     "notebook_launcher",
+    "prepare_pippy",
     "resolve",
     "skip_first_batches",
     "synchronize_rng_states",

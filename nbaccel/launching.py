@@ -74,3 +74,25 @@ def notebook_launcher(
         run.stop()
         raise
     return run.result()
+
+
+def debug_launcher(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] = (),
+    num_processes: int = 2,
+) -> Any:
+    """Run ``function(*args)`` on ``num_processes`` CPU processes, for debugging and tests.
+
+    Accelerate's ``debug_launcher``, with its meaning: distributed over gloo on the CPU even
+    where GPUs exist, and without mixed precision; everything else comes from the config as
+    in ``notebook_launcher`` (which this is, with ``use_cpu=True, mixed_precision="no"``).
+    Unlike Accelerate's (which returns ``None``), it returns rank 0's value.
+
+    >>> import nbaccel
+    >>> def where():
+    ...     import torch, torch.distributed as dist
+    ...     return dist.get_world_size(), str(torch.tensor(0).device)
+    >>> nbaccel.debug_launcher(where)
+    (2, 'cpu')
+    """
+    return notebook_launcher(function, args, num_processes, use_cpu=True, mixed_precision="no")

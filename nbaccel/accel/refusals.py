@@ -2,9 +2,10 @@
 
 nbaccel covers Accelerate's training-loop API for data parallelism (DDP), FSDP2, ZeRO,
 DeepSpeed and XLA. Tensor, pipeline and context parallelism, fp8 training (TransformerEngine,
-MS-AMP, torchao) and Megatron-LM are outside its scope. A program that uses one of those gets a
-``NotImplementedError`` that says which feature it touched, why nbaccel lacks it and what to use
-instead, instead of an ``AttributeError`` or, worse, a silent no-op.
+MS-AMP, torchao), Megatron-LM and big-model inference (device maps, CPU and disk offloading) are
+outside its scope. A program that uses one of those gets a ``NotImplementedError`` that says
+which feature it touched, why nbaccel lacks it and what to use instead, instead of an
+``AttributeError`` or, worse, a silent no-op.
 
 How a refused member behaves depends on how Accelerate exposes it:
 
@@ -115,6 +116,15 @@ _MEGATRON = (
     "large models.",
 )
 
+_BIG_MODEL = (
+    f"device-map dispatch and CPU/disk offloading for inference of a model larger than one "
+    f"device (Accelerate's big_modeling) {_OUT_OF_SCOPE}{_SCOPE_END} for training",
+    "The model nbaccel trained is a plain torch module (accelerator.unwrap_model) and "
+    "accelerator.save_model writes a plain safetensors file: load it with Accelerate's own "
+    "big_modeling functions (from accelerate import load_checkpoint_and_dispatch, ...) in the "
+    "inference process.",
+)
+
 
 def _entries(where: str, kind: Kind, feature: tuple[str, str], *names: str) -> dict[str, Refusal]:
     reason, instead = feature
@@ -148,6 +158,18 @@ ACCELERATOR_REFUSALS: Mapping[str, Refusal] = {
 TOP_LEVEL_REFUSALS: Mapping[str, Refusal] = {
     **_entries("accelerate", "function", _PIPELINE, "prepare_pippy"),
     **_entries("accelerate", "class", _TENSOR, "ParallelismConfig"),
+    **_entries(
+        "accelerate",
+        "function",
+        _BIG_MODEL,
+        "cpu_offload",
+        "cpu_offload_with_hook",
+        "disk_offload",
+        "dispatch_model",
+        "infer_auto_device_map",
+        "load_checkpoint_and_dispatch",
+        "load_checkpoint_in_model",
+    ),
 }
 
 # Names imported from ``accelerate.utils``.
@@ -296,6 +318,13 @@ def all_refusals() -> dict[tuple[str, str], Refusal]:
 # (``from nbaccel import prepare_pippy`` then fails only when called, with the reason).
 prepare_pippy = refused_function(TOP_LEVEL_REFUSALS["prepare_pippy"])
 ParallelismConfig = refused_class(TOP_LEVEL_REFUSALS["ParallelismConfig"])
+cpu_offload = refused_function(TOP_LEVEL_REFUSALS["cpu_offload"])
+cpu_offload_with_hook = refused_function(TOP_LEVEL_REFUSALS["cpu_offload_with_hook"])
+disk_offload = refused_function(TOP_LEVEL_REFUSALS["disk_offload"])
+dispatch_model = refused_function(TOP_LEVEL_REFUSALS["dispatch_model"])
+infer_auto_device_map = refused_function(TOP_LEVEL_REFUSALS["infer_auto_device_map"])
+load_checkpoint_and_dispatch = refused_function(TOP_LEVEL_REFUSALS["load_checkpoint_and_dispatch"])
+load_checkpoint_in_model = refused_function(TOP_LEVEL_REFUSALS["load_checkpoint_in_model"])
 MegatronLMPlugin = refused_class(UTILS_REFUSALS["MegatronLMPlugin"])
 TorchTensorParallelPlugin = refused_class(UTILS_REFUSALS["TorchTensorParallelPlugin"])
 FP8RecipeKwargs = refused_class(UTILS_REFUSALS["FP8RecipeKwargs"])

@@ -3,14 +3,17 @@
 Three sources, in order: the nbaccel launch this worker belongs to (its ``ProcessContext``),
 the torch.distributed environment a launcher such as torchrun set (``RANK``, ``WORLD_SIZE``,
 ...), and otherwise one process. With more than one process the default process group is
-initialised here when the launcher has not done it (``init_process_group=False``, torchrun).
+initialised here when the launcher has not done it (``init_process_group=False``, torchrun),
+with ``InitProcessGroupKwargs``' backend, init method and timeout when given. A group that
+already exists (an nbaccel launch creates it before the training function runs) gets the
+handler's timeout through ``apply_init_process_group_kwargs``; a backend or rendezvous other
+than the group's is refused there (the group cannot be made again inside the run).
 Processes that train through torch_xla (TPUs) get theirs from ``strategies.xla_setup``.
 """
 
 from __future__ import annotations
 
 import atexit
-import enum
 import gc
 import os
 import warnings
@@ -18,26 +21,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
+from nbaccel.config.accelerate_enums import DistributedType
 from nbaccel.config.resolve import resolve
 from nbaccel.config.schema import Config
 from nbaccel.context import active_session
 from nbaccel.devices import detect_tpu
 from nbaccel.xla_plan import uses_xla
-
-
-class DistributedType(str, enum.Enum):
-    """How the model is distributed; the names and values are Hugging Face Accelerate's."""
-
-    NO = "NO"
-    MULTI_CPU = "MULTI_CPU"
-    MULTI_GPU = "MULTI_GPU"
-    FSDP = "FSDP"
-    DEEPSPEED = "DEEPSPEED"
-    XLA = "XLA"
 
 
 @dataclass(frozen=True)
@@ -81,10 +76,15 @@ def launch_config(config: Config | None) -> Config:
     return resolve({}, env=os.environ).config
 
 
-def torch_process_state(config: Config, env: Mapping[str, str] | None = None) -> ProcessState:
+def torch_process_state(
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    init_kwargs: Mapping[str, Any] | None = None,
+) -> ProcessState:
     """The ProcessState of a process that trains through torch.distributed (not torch_xla:
     see ``nbaccel.accel.strategies.detect_process_state``), initialising the default
-    process group when the launcher has not."""
+    process group when the launcher has not (``init_kwargs``: ``InitProcessGroupKwargs``'
+    ``backend`` and ``init_method`` for it; the timeout is ``config.collective_timeout``)."""
     env = os.environ if env is None else env
     session = active_session()
     if session is not None:
@@ -110,8 +110,13 @@ def torch_process_state(config: Config, env: Mapping[str, str] | None = None) ->
     if world > 1 and not dist.is_initialized():
         # Launched without a group (torchrun, or nbaccel with init_process_group=False):
         # the env:// rendezvous those launchers set up is used, as torch's own tools do.
-        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=config.collective_timeout))
+        chosen = dict(init_kwargs or {})
+        backend = chosen.get("backend") or ("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+        dist.init_process_group(
+            backend,
+            init_method=chosen.get("init_method"),
+            timeout=timedelta(seconds=config.collective_timeout),
+        )
         # The group is ours, so its teardown is too: a gloo group still alive when the
         # interpreter finalises aborts the process (SIGABRT) in some share of runs.
         atexit.register(_destroy_group_if_alive)
@@ -124,6 +129,59 @@ def torch_process_state(config: Config, env: Mapping[str, str] | None = None) ->
         distributed_type=_distributed_type(config, world, use_cuda),
         run_dir=run_dir,
     )
+
+
+def apply_init_process_group_kwargs(kwargs: Mapping[str, Any], device: torch.device) -> None:
+    """Give the existing default group what ``InitProcessGroupKwargs`` asked for.
+
+    ``timeout`` becomes the group's timeout for every later collective. ``backend`` must be
+    the one the group already uses on ``device``, and ``init_method`` absent or ``env://``
+    (the rendezvous the launchers set up): a group cannot change either once it exists, so
+    anything else is an error naming the fix. Without a group there is nothing to apply.
+    """
+    if not kwargs or not dist.is_initialized():
+        return
+    backend = kwargs.get("backend")
+    if backend is not None:
+        have = _backends_by_device(dist.get_backend_config())
+        want = _backends_by_device(str(backend))
+        wanted = want.get(device.type, want.get("*"))
+        if wanted is not None and wanted != have.get(device.type):
+            raise ValueError(
+                f"InitProcessGroupKwargs(backend={backend!r}): this run's process group "
+                f"already exists with {have.get(device.type)!r} for {device.type} tensors "
+                f"(the launch created it before the training function ran), and a group "
+                f"cannot change its backend. Leave backend out (nbaccel picks gloo on CPU, "
+                f"nccl on GPUs), or create the group yourself and launch with "
+                f"init_process_group=False."
+            )
+    init_method = kwargs.get("init_method")
+    if init_method not in (None, "env://"):
+        raise ValueError(
+            f"InitProcessGroupKwargs(init_method={init_method!r}): this run's process group "
+            "already met its peers through the launch's rendezvous, and it cannot meet again "
+            "elsewhere. Leave init_method out, or launch with init_process_group=False so "
+            "that the group is created with it."
+        )
+    timeout = kwargs.get("timeout")
+    if timeout is not None:
+        # torch has no public setter for an existing group's timeout; _set_pg_timeout is what
+        # torch's own dist.breakpoint() uses to lengthen it (tests/unit/accel/
+        # test_options_wiring.py fails if a torch release removes or changes it).
+        distributed_c10d._set_pg_timeout(timeout)
+
+
+def _backends_by_device(spec: str) -> dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` -> {"cpu": "gloo", "cuda": "nccl"}; ``"gloo"`` -> {"*": "gloo"}.
+
+    >>> _backends_by_device("cpu:gloo,cuda:nccl"), _backends_by_device("GLOO")
+    ({'cpu': 'gloo', 'cuda': 'nccl'}, {'*': 'gloo'})
+    """
+    found: dict[str, str] = {}
+    for part in spec.lower().split(","):
+        device, _, name = part.strip().rpartition(":")
+        found[device or "*"] = name
+    return found
 
 
 def uses_xla_here(config: Config, env: Mapping[str, str] | None = None) -> bool:

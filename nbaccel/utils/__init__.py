@@ -1,10 +1,14 @@
 """Hugging Face Accelerate's ``accelerate.utils`` names, for ``from nbaccel.utils import ...``.
 
 Code written for Accelerate runs with ``accelerate.utils`` changed to ``nbaccel.utils``:
-seeding, module-level collectives, batch-size search, empty-weight model creation,
-availability checks, and the ``DistributedType`` enum. The names load on first use, so
-``import nbaccel.utils`` in a notebook kernel does not import torch; only the names that
-need it do (all but the ``is_*_available`` package checks).
+seeding, module-level collectives, batch-size search, empty-weight model creation, unwrapping
+(``extract_model_from_parallel``), ``save``, ``tqdm``, ``write_basic_config``, availability
+checks, Accelerate's enums, plugins and kwargs handlers, and DeepSpeed's ``DummyOptim`` /
+``DummyScheduler``. The configuration of features nbaccel lacks (Megatron-LM, tensor
+parallelism, fp8 recipes) imports fine and raises ``NotImplementedError`` with the reason when
+used. The names load on first use, so ``import nbaccel.utils`` in a notebook kernel does not
+import torch, and neither do the enums, plugins, handlers, ``DummyOptim``/``DummyScheduler``,
+``write_basic_config`` and the ``is_*_available`` package checks.
 
 >>> from nbaccel.utils import set_seed, gather_object
 >>> set_seed(0)
@@ -18,9 +22,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nbaccel.accel.refusals import (
+        AORecipeKwargs,
+        FP8RecipeKwargs,
+        MegatronLMPlugin,
+        MSAMPRecipeKwargs,
+        TERecipeKwargs,
+        TorchTensorParallelPlugin,
+    )
     from nbaccel.accel.skip_batches import skip_first_batches
     from nbaccel.accel.state import DistributedType
+    from nbaccel.config.accelerate_enums import DynamoBackend, LoggerType, PrecisionType, RNGType
     from nbaccel.config.accelerator_configs import DataLoaderConfiguration, ProjectConfiguration
+    from nbaccel.config.deepspeed_placeholders import DummyOptim, DummyScheduler
     from nbaccel.config.fsdp_plugin import FullyShardedDataParallelPlugin
     from nbaccel.config.kwargs_handlers import (
         AutocastKwargs,
@@ -46,12 +60,17 @@ if TYPE_CHECKING:
         is_transformers_available,
         is_wandb_available,
     )
+    from nbaccel.utils.basic_config import write_basic_config
     from nbaccel.utils.memory import (
         find_executable_batch_size,
         release_memory,
         should_reduce_batch_size,
     )
-    from nbaccel.utils.modeling import init_empty_weights, init_on_device
+    from nbaccel.utils.modeling import (
+        extract_model_from_parallel,
+        init_empty_weights,
+        init_on_device,
+    )
     from nbaccel.utils.operations import (
         broadcast,
         broadcast_object_list,
@@ -62,7 +81,9 @@ if TYPE_CHECKING:
         send_to_device,
         wait_for_everyone,
     )
+    from nbaccel.utils.progress import tqdm
     from nbaccel.utils.random import set_seed, synchronize_rng_state, synchronize_rng_states
+    from nbaccel.utils.saving import save
 
 _HANDLERS = (
     "AutocastKwargs",
@@ -99,7 +120,13 @@ _DEFINED_IN = {
         ("find_executable_batch_size", "release_memory", "should_reduce_batch_size"),
         "nbaccel.utils.memory",
     ),
-    **dict.fromkeys(("init_empty_weights", "init_on_device"), "nbaccel.utils.modeling"),
+    **dict.fromkeys(
+        ("extract_model_from_parallel", "init_empty_weights", "init_on_device"),
+        "nbaccel.utils.modeling",
+    ),
+    "save": "nbaccel.utils.saving",
+    "tqdm": "nbaccel.utils.progress",
+    "write_basic_config": "nbaccel.utils.basic_config",
     **dict.fromkeys(
         (
             "is_bf16_available",
@@ -122,6 +149,23 @@ _DEFINED_IN = {
     **dict.fromkeys(
         ("ProjectConfiguration", "DataLoaderConfiguration"), "nbaccel.config.accelerator_configs"
     ),
+    **dict.fromkeys(
+        ("DynamoBackend", "LoggerType", "PrecisionType", "RNGType"),
+        "nbaccel.config.accelerate_enums",
+    ),
+    **dict.fromkeys(("DummyOptim", "DummyScheduler"), "nbaccel.config.deepspeed_placeholders"),
+    # Refused by name: using one raises NotImplementedError with the reason (accel/refusals.py).
+    **dict.fromkeys(
+        (
+            "AORecipeKwargs",
+            "FP8RecipeKwargs",
+            "MSAMPRecipeKwargs",
+            "MegatronLMPlugin",
+            "TERecipeKwargs",
+            "TorchTensorParallelPlugin",
+        ),
+        "nbaccel.accel.refusals",
+    ),
 }
 
 
@@ -136,22 +180,35 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AORecipeKwargs",
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "DummyOptim",
+    "DummyScheduler",
+    "DynamoBackend",
+    "FP8RecipeKwargs",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "KwargsHandler",
+    "LoggerType",
+    "MSAMPRecipeKwargs",
+    "MegatronLMPlugin",
+    "PrecisionType",
     "ProfileKwargs",
     "ProjectConfiguration",
+    "RNGType",
+    "TERecipeKwargs",
     "TorchDynamoPlugin",
+    "TorchTensorParallelPlugin",
     "broadcast",
     "broadcast_object_list",
+    "extract_model_from_parallel",
     "find_executable_batch_size",
     "gather",
     "gather_object",
@@ -170,11 +227,14 @@ __all__ = [
     "pad_across_processes",
     "reduce",
     "release_memory",
+    "save",
     "send_to_device",
     "set_seed",
     "should_reduce_batch_size",
     "skip_first_batches",
     "synchronize_rng_state",
     "synchronize_rng_states",
+    "tqdm",
     "wait_for_everyone",
+    "write_basic_config",
 ]

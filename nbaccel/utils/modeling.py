@@ -1,4 +1,6 @@
-"""Creating models without allocating their weights: ``init_empty_weights``, ``init_on_device``.
+"""Creating models without allocating their weights (``init_empty_weights``,
+``init_on_device``), and getting a model back out of its wrappers
+(``extract_model_from_parallel``).
 
 Under ``init_empty_weights()`` every parameter a module registers lands on the ``meta``
 device (shapes and dtypes, no memory), so a model of any size is built in no time; load real
@@ -12,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["init_empty_weights", "init_on_device"]
+from nbaccel.accel.models import unwrap_model
+
+__all__ = ["extract_model_from_parallel", "init_empty_weights", "init_on_device"]
 
 _TRUE = ("1", "true", "yes", "y", "on", "t")
 
@@ -87,3 +92,73 @@ def _moved(param: Any, device: torch.device) -> nn.Parameter:
     if initialised is not None:
         moved._is_hf_initialized = initialised  # type: ignore[attr-defined]
     return moved
+
+
+def extract_model_from_parallel(
+    model: nn.Module,
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = True,
+    recursive: bool = False,
+) -> nn.Module:
+    """The model inside its distributed wrappers, as ``Accelerator.unwrap_model`` gives it.
+
+    Peels DDP, ``DataParallel``, FSDP1, torch_xla's FSDPv2 and DeepSpeed's engine. With
+    ``keep_fp32_wrapper=False`` the forward ``prepare`` ran in autocast is restored (and the
+    module is changed in place, as in Accelerate); with ``keep_torch_compile=False`` the
+    ``torch.compile`` wrapper goes too. ``recursive=True`` also replaces every submodule that
+    wraps another as ``.module`` by the wrapped one.
+
+    >>> inner = nn.Linear(2, 2)
+    >>> extract_model_from_parallel(nn.DataParallel(inner)) is inner
+    True
+    >>> compiled = torch.compile(inner)
+    >>> extract_model_from_parallel(compiled) is compiled
+    True
+    >>> extract_model_from_parallel(compiled, keep_torch_compile=False) is inner
+    True
+    """
+    # torch.compile around the wrappers (compile(DDP(m)), as Accelerate builds it; nbaccel's
+    # prepare compiles inside them, which unwrap_model handles).
+    # torch._dynamo is loaded by torch.compile: without it nothing is compiled, and
+    # importing it here would cost seconds.
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = dynamo is not None and isinstance(model, dynamo.OptimizedModule)
+    inner: nn.Module = getattr(model, "_orig_mod") if compiled else model  # noqa: B009
+    while _wraps_a_module(inner):
+        inner = inner.module  # type: ignore[assignment]  # every wrapper keeps it there
+    if recursive:
+        inner = _unwrapped_tree(inner)
+    inner = unwrap_model(inner, keep_autocast=keep_fp32_wrapper, keep_compile=keep_torch_compile)
+    if not compiled or not keep_torch_compile:
+        return inner
+    # As Accelerate: the compiled wrapper is kept and now holds the extracted model. Its
+    # compiled forward was bound when it was built, so training through it is unchanged.
+    model._orig_mod = inner
+    return model
+
+
+def _wraps_a_module(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrappers: tuple[type, ...] = (
+        nn.parallel.DistributedDataParallel,
+        nn.DataParallel,
+        FullyShardedDataParallel,
+    )
+    deepspeed = sys.modules.get("deepspeed")  # a DeepSpeed engine exists only if it is loaded
+    if deepspeed is not None:
+        wrappers += (deepspeed.DeepSpeedEngine,)
+    if isinstance(model, wrappers):
+        return True
+    # By name: torch_xla is not importable everywhere, and importing it costs seconds.
+    return type(model).__name__ == "SpmdFullyShardedDataParallel" and hasattr(model, "module")
+
+
+def _unwrapped_tree(module: nn.Module) -> nn.Module:
+    """``module`` and its submodules with every ``.module`` wrapper replaced by its content."""
+    wrapped = getattr(module, "module", None)
+    if isinstance(wrapped, nn.Module):
+        return _unwrapped_tree(wrapped)
+    for name, child in list(module.named_children()):
+        setattr(module, name, _unwrapped_tree(child))
+    return module

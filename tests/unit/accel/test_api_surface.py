@@ -349,12 +349,10 @@ def missing_names(module_name: str, names: list[str] | tuple[str, ...], refused:
     return missing
 
 
-@pending_integration
 def test_every_top_level_accelerate_name_is_in_nbaccel() -> None:
     report("nbaccel", missing_names("nbaccel", accelerate_top_level(), TOP_LEVEL_REFUSALS))
 
 
-@pending_integration
 def test_the_commonly_imported_accelerate_utils_are_in_nbaccel_utils() -> None:
     report("nbaccel.utils", missing_names("nbaccel.utils", UTILS_NAMES, UTILS_REFUSALS))
 
