@@ -331,9 +331,9 @@ class Accelerator:
         """Prepare one dataloader: this rank's shard, batches on the device."""
         if slice_fn_for_dispatch is not None:
             raise NotImplementedError(
-                "slice_fn_for_dispatch applies to dispatch_batches=True, where rank 0 reads "
-                "every batch and sends slices; nbaccel shards the sampler instead (each rank "
-                "reads its own samples). Leave slice_fn_for_dispatch unset."
+                "slice_fn_for_dispatch: with dispatch_batches=True nbaccel's rank 0 sends each "
+                "rank the samples that sharding would give it; a custom slicing function is "
+                "not supported. Leave slice_fn_for_dispatch unset."
             )
         placement = self.device_placement if device_placement is None else device_placement
         return self._prepared.dataloader(data_loader, placement)
@@ -350,17 +350,12 @@ class Accelerator:
 
         On the other calls the gradient reduction of DDP or FSDP is suspended (unless
         ``sync_each_batch``) and ``step`` / ``zero_grad`` of prepared optimizers do nothing.
-        The last batch of a prepared dataloader always syncs, so an epoch never ends with
-        gradients left over.
+        The last batch of a prepared dataloader syncs (unless the ``GradientAccumulationPlugin``
+        says ``sync_with_dataloader=False``), so an epoch never ends with gradients left over.
         """
         self.step += 1
         grads = self.gradient_state
-        grads.micro_steps_in_cycle += 1
-        grads.sync_gradients = (
-            grads.micro_steps_in_cycle >= grads.accumulation_steps or grads.end_of_dataloader
-        )
-        if grads.sync_gradients:  # the next epoch (or cycle) starts a fresh count
-            grads.micro_steps_in_cycle = 0
+        grads.next_micro_step()
         with contextlib.ExitStack() as stack:
             if not grads.sync_gradients and not self.config.sync_each_batch:
                 for model in models_:

@@ -1,12 +1,11 @@
 """Dataloaders as ``prepare`` returns them: sharded across ranks, resumable, on the device.
 
-The dataset's index order for an epoch (a permutation seeded by ``seed + epoch`` when the
-user's loader shuffled, the user's sampler order otherwise) is cut into global batches;
-global batch ``j`` goes to rank ``j % world_size``. So one optimizer step over N ranks sees
-the same samples as one process with an N-times batch, and a gathered last batch is
-contiguous, which is what lets ``gather_for_metrics`` drop the padding. With
-``even_batches`` the last batches are completed with samples from the epoch's start so that
-every rank takes the same number of steps (a rank short of a batch would hang the others).
+Which indices each rank takes is ``sharded_sampler``'s: global batch ``j`` goes to rank
+``j % world_size``. So one optimizer step over N ranks sees the same samples as one process
+with an N-times batch, and a gathered last batch is contiguous, which is what lets
+``gather_for_metrics`` drop the padding. With ``even_batches`` every rank takes the same
+number of steps (a rank short of a batch would hang the others). An ``IterableDataset`` has
+no indices: every rank reads the stream and keeps its share of each round.
 
 The position (epoch, batches consumed) is the loader's state: ``save_state`` stores it, and
 after ``load_state`` the next iteration skips the consumed batches by index, without loading
@@ -18,155 +17,38 @@ both, and must not skip twice).
 On XLA devices a ``device_stream`` (``XlaRuntime.device_stream``) moves the batches in
 torch_xla's background loader instead; the position is still counted where the training
 loop takes each batch, not where the loader reads ahead.
+
+Accelerate's ``DataLoaderConfiguration`` reaches the loaders as ``prepare`` resolves it:
+``non_blocking`` (copies to the device), ``dispatch`` (``dispatch_batches``: rank 0 reads,
+see ``dispatch``), and ``before_iteration``, which each pass calls first (the
+synchronisation of ``rng_types``, as Accelerate does at the start of every pass).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, IterableDataset
 
-from nbaccel.accel.collectives import tree_map
+from nbaccel.accel import dispatch
+from nbaccel.accel.batches import batch_len, send_to_device, split_batch
 from nbaccel.accel.optim import GradientState
+from nbaccel.accel.sharded_sampler import ShardedBatchSampler, ShardPlan
+
+__all__ = [
+    "PreparedDataLoader",
+    "PreparedIterableLoader",
+    "ShardPlan",
+    "ShardedBatchSampler",
+    "is_iterable_dataset",
+    "send_to_device",
+]
 
 # (batch, is the last, real samples of the last round) in, the same with batches on the device out
 DeviceStream = Callable[[Iterator[tuple[Any, bool, int]]], Iterator[tuple[Any, bool, int]]]
-
-
-@dataclass
-class ShardPlan:
-    """How one rank takes its share of each epoch."""
-
-    rank: int
-    world_size: int
-    seed: int
-    even_batches: bool = True
-    split_batches: bool = False
-    epoch: int = 0
-    skip_batches: int = 0
-    last_remainder: int = field(default=-1)
-
-
-class ShardedBatchSampler(Sampler[list[int]]):
-    """Yields this rank's batches of dataset indices for ``plan.epoch``.
-
-    >>> plan = ShardPlan(rank=1, world_size=2, seed=0)
-    >>> list(ShardedBatchSampler(BatchSampler(range(10), 2, False), plan))
-    [[2, 3], [6, 7], [0, 1]]
-    """
-
-    def __init__(self, source: BatchSampler | Sequence[list[int]], plan: ShardPlan) -> None:
-        self.source = source
-        self.plan = plan
-        self._cached: tuple[tuple[int, int], tuple[list[list[int]], int]] | None = None
-
-    def _global_batches(self) -> tuple[list[list[int]], int]:
-        """Every rank's batches in order, padded; and the real samples in the last round."""
-        key = (self.plan.seed, self.plan.epoch)
-        if self._cached is None or self._cached[0] != key:  # len() and iter() share one plan
-            self._cached = (key, self._plan_epoch())
-        return self._cached[1]
-
-    def _plan_epoch(self) -> tuple[list[list[int]], int]:
-        plan = self.plan
-        source = self.source
-        if isinstance(source, BatchSampler) and isinstance(source.sampler, RandomSampler):
-            order = _shuffled(source.sampler, plan.seed + plan.epoch)
-            size = source.batch_size
-            batches = [order[i : i + size] for i in range(0, len(order), size)]
-            if source.drop_last and batches and len(batches[-1]) < size:
-                batches.pop()
-        else:
-            if hasattr(source, "sampler") and hasattr(source.sampler, "set_epoch"):
-                source.sampler.set_epoch(plan.epoch)
-            batches = [list(b) for b in source]
-        drop_last = bool(getattr(source, "drop_last", False))
-        if plan.split_batches:
-            return _split(batches, plan, drop_last)
-        return _round_robin(batches, plan, drop_last)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        batches, self.plan.last_remainder = self._global_batches()
-        step = self.plan.world_size
-        mine = batches[self.plan.rank :: step] if not self.plan.split_batches else batches
-        yield from mine[self.plan.skip_batches :]
-
-    def __len__(self) -> int:
-        batches = self._global_batches()[0]
-        if self.plan.split_batches:
-            return len(batches)
-        return len(range(self.plan.rank, len(batches), self.plan.world_size))
-
-
-def _shuffled(sampler: RandomSampler, seed: int) -> list[int]:
-    """The user's RandomSampler's draw, seeded so that every rank draws the same order."""
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    if not sampler.replacement and sampler._num_samples is None:
-        return torch.randperm(len(sampler.data_source), generator=generator).tolist()
-    same_kind = RandomSampler(
-        sampler.data_source,
-        replacement=sampler.replacement,
-        num_samples=sampler._num_samples,
-        generator=generator,
-    )
-    return list(same_kind)
-
-
-def _round_robin(
-    batches: list[list[int]], plan: ShardPlan, drop_last: bool
-) -> tuple[list[list[int]], int]:
-    """Global batches for rank-by-rank dealing, the last round completed; its real samples."""
-    world = plan.world_size
-    if world == 1:  # one process: the user's batches as they are, no padding to even out
-        return batches, -1
-    if drop_last:
-        return batches[: len(batches) // world * world], -1
-    if not plan.even_batches or not batches:
-        return batches, -1
-    # The user's batches stay as they are. A short last batch is completed with samples
-    # from the epoch's start, then the last round with the epoch's first batches, so that
-    # the duplicates sit at the end of the gathered last round.
-    out = [list(b) for b in batches]
-    full = len(out[0])
-    if len(out[-1]) < full:
-        flat = itertools.cycle(i for b in batches for i in b)
-        out[-1] += list(itertools.islice(flat, full - len(out[-1])))
-    filler = 0
-    while len(out) % world:
-        out.append(list(out[filler]))
-        filler += 1
-    last_round = len(out) - world
-    return out, sum(len(b) for b in batches[last_round:])
-
-
-def _split(
-    batches: list[list[int]], plan: ShardPlan, drop_last: bool
-) -> tuple[list[list[int]], int]:
-    """Each rank's slice of every batch (``split_batches=True``)."""
-    world = plan.world_size
-    out: list[list[int]] = []
-    remainder = -1
-    for number, batch in enumerate(batches):
-        if len(batch) % world:
-            if number < len(batches) - 1:
-                raise ValueError(
-                    f"split_batches=True splits each batch over the {world} processes, but a "
-                    f"batch has {len(batch)} samples, not a multiple of {world}. Use a batch "
-                    f"size that is a multiple of {world}, or split_batches=False."
-                )
-            if drop_last:
-                continue
-            remainder = len(batch)  # the last batch: completed with its own first samples
-            batch = (batch * world)[: math.ceil(len(batch) / world) * world]
-        chunk = len(batch) // world
-        out.append(batch[plan.rank * chunk : (plan.rank + 1) * chunk])
-    return out, remainder
 
 
 class PreparedDataLoader(DataLoader[Any]):
@@ -184,6 +66,10 @@ class PreparedDataLoader(DataLoader[Any]):
         device: torch.device | None,
         gradients: GradientState,
         device_stream: DeviceStream | None = None,
+        *,
+        non_blocking: bool = False,
+        dispatch: bool = False,
+        before_iteration: Callable[[], None] | None = None,
     ) -> None:
         source: Any = loader.batch_sampler
         if source is None:
@@ -195,6 +81,9 @@ class PreparedDataLoader(DataLoader[Any]):
         self.gradients = gradients
         self.device = device
         self.device_stream = device_stream
+        self.non_blocking = non_blocking
+        self.dispatch = dispatch
+        self.before_iteration = before_iteration
         self.original = loader
         generator = torch.Generator()
         generator.manual_seed(plan.seed)
@@ -239,6 +128,8 @@ class PreparedDataLoader(DataLoader[Any]):
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if self.before_iteration is not None:
+            self.before_iteration()
         if self._resuming:
             self._resuming = False
         else:
@@ -248,13 +139,36 @@ class PreparedDataLoader(DataLoader[Any]):
         self._started = True
         self.plan.skip_batches = self.batches_consumed
         total = len(self)
-        batches = super().__iter__()
+        batches = self._dispatched() if self.dispatch else super().__iter__()
         # last_remainder is read per batch: the sampler sets it when iteration starts.
         numbered = enumerate(batches, start=self.batches_consumed + 1)
         yield from _hand_out(self, ((b, n >= total, self.plan.last_remainder) for n, b in numbered))
 
+    def _dispatched(self) -> Iterator[Any]:
+        """This rank's batches, loaded on rank 0 with this loader's collation and workers."""
+        sampler: ShardedBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        self.plan.last_remainder = sampler._global_batches()[1]
+        rounds = sampler.rounds()[self.plan.skip_batches :]
+
+        def load(batches: list[list[int]]) -> DataLoader[Any]:
+            return DataLoader(
+                self.dataset,
+                batch_sampler=batches,
+                num_workers=self.num_workers,
+                collate_fn=self.collate_fn,
+                pin_memory=self.pin_memory,
+                timeout=self.timeout,
+                worker_init_fn=self.worker_init_fn,
+                multiprocessing_context=self.multiprocessing_context,
+                generator=self.generator,
+                prefetch_factor=self.prefetch_factor,
+            )
+
+        return dispatch.dispatched_indexed(rounds, self.plan.rank, load)
+
     def state_dict(self) -> dict[str, int]:
-        """The position: epoch, batches consumed in it, and the shuffling seed."""
+        """The position: epoch, batches consumed in it, and the shuffling seed (what
+        torchdata's ``StatefulDataLoader`` users call; ``load_state_dict`` resumes)."""
         return {
             "epoch": self.plan.epoch,
             "batches_consumed": self.batches_consumed,
@@ -303,24 +217,41 @@ class PreparedIterableLoader:
         device: torch.device | None,
         gradients: GradientState,
         device_stream: DeviceStream | None = None,
+        *,
+        non_blocking: bool = False,
+        dispatch: bool = False,
+        before_iteration: Callable[[], None] | None = None,
     ) -> None:
         self.original = loader
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size
+        if self.batch_size is not None and plan.split_batches:
+            self.batch_size //= plan.world_size
         self.plan = plan
         self.device = device
         self.device_stream = device_stream
+        self.non_blocking = non_blocking
+        self.dispatch = dispatch
+        self.before_iteration = before_iteration
         self.gradients = gradients
         self.batches_consumed = 0
         self._resuming = False
 
     def __iter__(self) -> Iterator[Any]:
+        if self.before_iteration is not None:
+            self.before_iteration()
         world, rank = self.plan.world_size, self.plan.rank
         # A new pass starts at the beginning; only the pass after load_state skips.
         skip = self.batches_consumed if self._resuming else 0
         self._resuming = False
         self.batches_consumed = skip
-        yield from _hand_out(self, itertools.islice(_mine(self.original, world, rank), skip, None))
+        if self.dispatch:  # only rank 0 reads the stream
+            read = _stream_rounds(self.original, world, self.plan.split_batches)
+            mine = dispatch.dispatched_stream(read if rank == 0 else None, rank, world)
+        else:
+            rounds = _stream_rounds(self.original, world, self.plan.split_batches)
+            mine = ((batches[rank], last, real) for batches, last, real in rounds)
+        yield from _hand_out(self, itertools.islice(mine, skip, None))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": 0, "batches_consumed": self.batches_consumed, "seed": self.plan.seed}
@@ -356,18 +287,33 @@ def _hand_out(
         loader.batches_consumed += 1
         gradients.end_of_dataloader = last
         gradients.remainder = remainder if last else -1
-        yield batch if loader.device is None else send_to_device(batch, loader.device)
+        if loader.device is not None:
+            batch = send_to_device(batch, loader.device, loader.non_blocking)
+        yield batch
     gradients.end_of_dataloader, gradients.remainder = False, -1
 
 
-def _mine(loader: DataLoader[Any], world: int, rank: int) -> Iterator[tuple[Any, bool, int]]:
-    """This rank's batch of each round, whether it is the last, the last round's real size."""
-    rounds = _rounds(iter(loader), world)
+def _stream_rounds(
+    loader: DataLoader[Any], world: int, split_batches: bool
+) -> Iterator[dispatch.StreamRound]:
+    """The stream round by round: each rank's batch, whether the round is the last, and the
+    last round's real samples. A round is ``world`` batches (rank ``r`` the ``r``-th; a last
+    incomplete round completed with its first batch), or with ``split_batches`` one batch
+    cut into ``world`` slices."""
+    if split_batches:
+        rounds: Iterator[tuple[list[Any], int]] = (([batch], -1) for batch in loader)
+    else:
+        rounds = _rounds(iter(loader), world)
     current = next(rounds, None)
     while current is not None:
         batches, real = current
         current = next(rounds, None)
-        yield batches[rank], current is None, real
+        last = current is None
+        if split_batches:
+            size = batch_len(batches[0])
+            real = size if last and size % world else -1
+            batches = split_batch(batches[0], world, last=last)
+        yield batches, last, real
 
 
 def _rounds(batches: Iterator[Any], world: int) -> Iterator[tuple[list[Any], int]]:
@@ -375,32 +321,9 @@ def _rounds(batches: Iterator[Any], world: int) -> Iterator[tuple[list[Any], int
         round_ = list(itertools.islice(batches, world))
         if not round_:
             return
-        real = sum(_batch_len(b) for b in round_)
+        real = sum(batch_len(b) for b in round_)
         padded = round_ + [round_[0]] * (world - len(round_))
         yield padded, (real if len(round_) < world else -1)
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, dict):
-        return _batch_len(next(iter(batch.values())))
-    if isinstance(batch, (list, tuple)):
-        return _batch_len(batch[0])
-    return 1
-
-
-def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in nested lists, tuples, namedtuples and dicts to ``device``.
-
-    >>> send_to_device({"x": [torch.ones(1)]}, torch.device("cpu"))["x"][0].device
-    device(type='cpu')
-    """
-
-    def other(leaf: Any) -> Any:  # e.g. transformers' BatchEncoding has its own .to()
-        return leaf.to(device) if callable(getattr(leaf, "to", None)) else leaf
-
-    return tree_map(lambda t: t.to(device, non_blocking=non_blocking), data, other)
 
 
 def is_iterable_dataset(loader: DataLoader[Any]) -> bool:

@@ -25,6 +25,7 @@ from nbaccel.config.deepspeed import auto_paths
 CHECKPOINT_TAG = "deepspeed"
 _QUIET = 2**31 - 1  # steps_per_print: DeepSpeed's own progress line, never (nbaccel shows one)
 _NOTHING = torch.empty(0)  # what ranks other than 0 keep of a gathered weight
+_SAVE_16BIT = "stage3_gather_16bit_weights_on_model_save"
 
 
 def import_deepspeed(module: str = "deepspeed") -> Any:
@@ -78,7 +79,10 @@ class DeepSpeedRun:
             kwargs["lr_scheduler"] = _ScheduleSteps(scheduler, scheduler_steps)
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(**kwargs)
         self.engine: Any = engine
-        self.zero_stage = int(config.get("zero_optimization", {}).get("stage", 0))
+        zero = config.get("zero_optimization", {})
+        self.zero_stage = int(zero.get("stage", 0))
+        # zero3_save_16bit_model / the config's stage3_gather_16bit_weights_on_model_save.
+        self.saves_16bit = self.zero_stage == 3 and bool(zero.get(_SAVE_16BIT, False))
         self.optimizer = None if ds_optimizer is None else DeepSpeedOptimizer(ds_optimizer)
         inner = scheduler if scheduler is not None else ds_scheduler
         self.scheduler = None if inner is None else DeepSpeedScheduler(inner, self.optimizer)
@@ -128,14 +132,16 @@ class DeepSpeedRun:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU on rank 0, ``{}`` elsewhere; collective.
 
-        Trainable parameters come as the fp32 master copy the optimizer keeps: for ZeRO 1-3
-        from ``deepspeed.utils.safe_get_full_fp32_param`` (gathered from every rank's
-        partition), at stage 0 with fp16/bf16 from DeepSpeed's FP16 optimizer's fp32 groups.
-        Not ``engine._zero3_consolidated_16bit_state_dict()`` (Accelerate's choice): it is
-        private, ZeRO-3 only, needs stage3_gather_16bit_weights_on_model_save, and gives the
-        bf16/fp16 training copy, losing the precision the optimizer kept. Frozen parameters
-        (no master copy) come as they are, gathered under ZeRO-3.
+        Under ZeRO-3 with ``zero3_save_16bit_model`` (the config's
+        stage3_gather_16bit_weights_on_model_save), Accelerate's meaning: the 16-bit training
+        copy DeepSpeed consolidates (``engine._zero3_consolidated_16bit_state_dict()``).
+        Otherwise (where Accelerate refuses under ZeRO-3) the fp32 master copy the optimizer
+        keeps: for ZeRO 1-3 from ``deepspeed.utils.safe_get_full_fp32_param`` (gathered from
+        every rank's partition), at stage 0 with fp16/bf16 from DeepSpeed's FP16 optimizer's
+        fp32 groups. Frozen parameters (no master copy) come as they are, gathered under ZeRO-3.
         """
+        if self.saves_16bit:
+            return self._sixteen_bit_state_dict()
         deepspeed = import_deepspeed()
         main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         optimizer = self.optimizer.optimizer if self.optimizer is not None else None
@@ -151,6 +157,16 @@ class DeepSpeedRun:
             if main:
                 result[name] = copies[id(tensor)]
         return result
+
+    def _sixteen_bit_state_dict(self) -> dict[str, torch.Tensor]:
+        # DeepSpeed fills it on rank 0 only (an empty dict, or None in older releases, elsewhere).
+        gathered = self.engine._zero3_consolidated_16bit_state_dict()
+        main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        return (
+            {name: tensor.detach().cpu() for name, tensor in (gathered or {}).items()}
+            if main
+            else {}
+        )
 
     def save_model(self, directory: str | os.PathLike[str]) -> Path | None:
         """Write ``directory/model.safetensors`` on rank 0 (its path, else None); collective."""

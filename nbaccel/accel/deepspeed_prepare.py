@@ -7,6 +7,7 @@ call with the training dataloader. Dataloaders are sharded by the Accelerator as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from nbaccel.accel.deepspeed_engine import DeepSpeedRun
@@ -19,12 +20,16 @@ def prepare_deepspeed(
     kinds: list[str],
     *,
     config: Config,
+    given: Mapping[str, Any] | None = None,
     world_size: int,
     split_batches: bool,
     step_scheduler_with_optimizer: bool,
 ) -> tuple[dict[int, Any], DeepSpeedRun, dict[str, Any]]:
     """Build the engine; returns {position in ``objects``: what prepare returns there}, the
-    run, and the DeepSpeed config it was built with (``auto`` values filled)."""
+    run, and the DeepSpeed config it was built with (``auto`` values filled).
+
+    ``given``: the config dict of ``DeepSpeedPlugin(hf_ds_config={...})``, which takes the
+    place of ``deepspeed_config_file`` (``nbaccel.config.deepspeed.deepspeed_config``)."""
     at = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in set(kinds)}
     models, optimizers = at.get("model", []), at.get("optimizer", [])
     schedulers = at.get("scheduler", [])
@@ -40,7 +45,7 @@ def prepare_deepspeed(
     if micro is not None and split_batches:
         micro //= world_size  # each process takes its slice of every batch
     ds = fill_auto_values(
-        deepspeed_config(config),
+        deepspeed_config(config, given),
         micro_batch_size=micro,
         world_size=world_size,
         accumulation_steps=config.gradient_accumulation_steps,

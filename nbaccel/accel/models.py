@@ -5,6 +5,16 @@ torch_xla's FSDPv2) and torch.compile off again and restores the original ``forw
 saved weights have no ``module.`` / ``_orig_module.`` / ``_orig_mod.`` prefixes and an
 unwrapped model runs in full precision. The strategies (``nbaccel.accel.strategies``) use
 these and add their own wrapping (DDP, FSDPv2).
+
+``Compilation`` carries what the Accelerator was told about ``torch.compile``: the backend,
+the keywords (``mode``, ``fullgraph``, ``dynamic``, ``options``, ``disable``: the dynamo
+section and ``TorchDynamoPlugin``) and whether to compile by region. Regional compilation
+(``compile_regions``) compiles each block of a ``ModuleList`` of same-class blocks on its own,
+so the compiler's cache turns N compilations into one, and each remaining part whole; as in
+Accelerate's ``compile_regions_fsdp2`` it compiles in place (``module.compile()``), so the
+module tree and state-dict keys stay unchanged and FSDP's hooks keep running around each
+block. The price: ``unwrap_model(keep_compile=False)`` cannot take in-place compilation off
+(the same module is being trained); the weights and the numbers are the same either way.
 """
 
 from __future__ import annotations
@@ -12,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +34,45 @@ from nbaccel.accel import sharding
 from nbaccel.accel.collectives import tree_map
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import ProcessState
+from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.sections import FSDPOptions
 
 # Marks a forward that prepare() wrapped in autocast; the original is kept on the wrapper.
 _ORIGINAL_FORWARD = "__nbaccel_original_forward__"
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """How ``prepare`` compiles a model: ``torch.compile(backend=..., **kwargs)``, whole or by
+    region (``regional``).
+
+    >>> from nbaccel.config.schema import Config
+    >>> options = AcceleratorOptions(Config(dynamo_backend="aot_eager"), {},
+    ...                              compile_kwargs={"fullgraph": True})
+    >>> Compilation.of(options).keywords()
+    {'backend': 'aot_eager', 'fullgraph': True}
+    >>> Compilation().enabled
+    False
+    """
+
+    backend: str = "no"
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    regional: bool = False
+
+    @classmethod
+    def of(cls, options: AcceleratorOptions) -> Compilation:
+        """What the Accelerator's config and options ask for."""
+        config = options.config
+        regional = config.dynamo.use_regional_compilation
+        return cls(config.dynamo_backend, dict(options.compile_kwargs), regional)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "no"
+
+    def keywords(self) -> dict[str, Any]:
+        """The keywords for ``torch.compile`` / ``module.compile``."""
+        return {"backend": self.backend, **self.kwargs}
 
 
 def prepare_model(
@@ -35,17 +81,26 @@ def prepare_model(
     precision: Precision,
     *,
     device_placement: bool,
-    dynamo_backend: str,
+    dynamo_backend: str = "no",
+    compilation: Compilation | None = None,
 ) -> torch.nn.Module:
-    """On the device, forward in autocast, compiled: what every strategy starts from."""
+    """On the device, forward in autocast, compiled: what every strategy starts from.
+
+    ``compilation`` (from ``Compilation.of(options)``) wins over ``dynamo_backend``, which
+    compiles with the backend alone and no other keyword.
+    """
+    compiled = compilation if compilation is not None else Compilation(dynamo_backend)
     if device_placement:
         model = model.to(state.device)
     if precision.dtype is not None and not hasattr(model.forward, _ORIGINAL_FORWARD):
         model.forward = _autocast_forward(model.forward, precision)
-    if dynamo_backend != "no":
+    if compiled.enabled:
         # Compiled before any DDP wrapping (the data-parallel strategy wraps the result):
         # torch.compile(DDP(...)) compiles nothing for some models (pytorch#140416).
-        model = torch.compile(model, backend=dynamo_backend)  # type: ignore[assignment]
+        if compiled.regional:
+            compile_regions(model, **compiled.keywords())
+        else:
+            model = torch.compile(model, **compiled.keywords())  # type: ignore[assignment]
     return model
 
 
@@ -54,7 +109,7 @@ def prepare_sharded_model(
     state: ProcessState,
     precision: Precision,
     options: FSDPOptions,
-    dynamo_backend: str,
+    compilation: Compilation,
 ) -> dict[int, torch.nn.Parameter]:
     """FSDP2 in place (see ``sharding``); returns {id(old parameter): sharded parameter}."""
     if precision.dtype is not None and not hasattr(model.forward, _ORIGINAL_FORWARD):
@@ -62,13 +117,48 @@ def prepare_sharded_model(
         # losses in fp32, as in the DDP path, so both strategies compute the same way.
         model.forward = _autocast_forward(model.forward, precision)
     swap = sharding.shard_model(model, options, state, precision.dtype)
-    if dynamo_backend != "no":
-        # torch.compile of the FSDP root compiles nothing (FACTS.md); compiling each shard
-        # unit in place does, with FSDP's hooks around the compiled forward.
+    if compilation.enabled:
+        # torch.compile of the FSDP root compiles nothing (FACTS.md); compiling in place
+        # (each region, or each shard unit) does, with FSDP's hooks around the compiled
+        # forward.
+        if compilation.regional and has_repeated_blocks(model):
+            compile_regions(model, **compilation.keywords())
+            return swap
         units = [m for m in model.modules() if sharding.is_sharded(m) and m is not model]
         for unit in units or [model]:
-            unit.compile(backend=dynamo_backend)
+            unit.compile(**compilation.keywords())
     return swap
+
+
+def compile_regions(module: torch.nn.Module, **compile_kwargs: Any) -> None:
+    """Compile ``module`` in place region by region: each block of a ``ModuleList`` whose
+    blocks share one class, and every part without such a list as a whole.
+
+    >>> blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), blocks)
+    >>> compile_regions(model, backend="eager")
+    >>> [m._compiled_call_impl is not None for m in (model, model[0], *blocks)]
+    [False, True, True, True, True]
+    """
+    if isinstance(module, torch.nn.ModuleList) and _is_repeated_blocks(module):
+        for block in module:
+            block.compile(**compile_kwargs)
+    elif has_repeated_blocks(module):
+        for child in module.children():
+            compile_regions(child, **compile_kwargs)
+    else:
+        module.compile(**compile_kwargs)
+
+
+def has_repeated_blocks(module: torch.nn.Module) -> bool:
+    """True when ``module`` holds, at any depth, a ``ModuleList`` of same-class blocks."""
+    return any(_is_repeated_blocks(m) for m in module.modules())
+
+
+def _is_repeated_blocks(module: torch.nn.Module) -> bool:
+    if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+        return False
+    return all(type(block) is type(module[0]) for block in module)
 
 
 def _autocast_forward(forward: Callable[..., Any], precision: Precision) -> Callable[..., Any]:

@@ -19,13 +19,35 @@ import torch
 
 @dataclass
 class GradientState:
-    """Accumulation state shared by one Accelerator's optimizers, schedulers and loaders."""
+    """Accumulation state shared by one Accelerator's optimizers, schedulers and loaders.
+
+    ``sync_with_dataloader`` (``GradientAccumulationPlugin``'s): the last batch of a prepared
+    dataloader syncs and starts a new cycle, so an epoch never ends with gradients left over;
+    False lets cycles run on across epochs, as in Accelerate.
+
+    >>> grads = GradientState(accumulation_steps=3, sync_with_dataloader=False)
+    >>> grads.end_of_dataloader = True
+    >>> [grads.next_micro_step() for _ in range(4)]
+    [False, False, True, False]
+    """
 
     accumulation_steps: int = 1
     micro_steps_in_cycle: int = 0  # micro-steps since the last sync
     sync_gradients: bool = True
     end_of_dataloader: bool = False
     remainder: int = -1  # real samples in the last global batch, -1: not at the last batch
+    sync_with_dataloader: bool = True
+
+    def next_micro_step(self) -> bool:
+        """Count one micro-step (``accumulate``) and decide whether it syncs: every
+        ``accumulation_steps``-th, and the dataloader's last batch unless
+        ``sync_with_dataloader`` is off. Sets and returns ``sync_gradients``."""
+        self.micro_steps_in_cycle += 1
+        at_end = self.sync_with_dataloader and self.end_of_dataloader
+        self.sync_gradients = self.micro_steps_in_cycle >= self.accumulation_steps or at_end
+        if self.sync_gradients:  # the next epoch (or cycle) starts a fresh count
+            self.micro_steps_in_cycle = 0
+        return self.sync_gradients
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -150,6 +172,13 @@ class AcceleratedScheduler:
     the schedule: schedules are written in single-process steps (``len(dataloader)`` before
     ``prepare``), and each step now consumes N batches. ``split_batches=True`` steps once;
     ``step_scheduler_with_optimizer=False`` leaves every call to the scheduler alone.
+
+    ``GradientAccumulationPlugin(adjust_scheduler=...)`` changes nothing here, with either
+    value, and that is Accelerate 1.15's behaviour too: its scheduler only bumps the private
+    ``_step_count`` on accumulating micro-steps when the flag is on, and the flag never is,
+    since Accelerate reads it back from ``plugin.to_kwargs()``, which drops the default
+    (True), while False means "do nothing". So the learning rate moves on optimizer steps
+    only, and every schedule (``_step_count`` included) matches Accelerate's.
     """
 
     def __init__(

@@ -5,16 +5,28 @@ The strategy does everything backend-specific (wrapping, sharding, an engine); t
 keeps the bookkeeping that is the same for all: which parameters and optimizers were
 replaced, so later optimizers and schedulers follow the replacements, and the lists that
 checkpoints, clipping and ``free_memory`` walk.
+
+Dataloaders follow the Accelerator's ``DataLoaderConfiguration`` and ``rng_types``
+(``self.strategy.options``). The shuffling seed: ``data_seed`` when given; with
+``use_seedable_sampler`` and no ``data_seed``, rank 0's ``torch.initial_seed()`` (the seed
+``set_seed`` set), which makes each epoch's order Accelerate's ``SeedableRandomSampler``
+order; otherwise a seed drawn from the global torch RNG on rank 0. nbaccel's order is
+always seedable in that sense (``seed + epoch``, the same on every rank and after a
+resume), so ``use_seedable_sampler`` only decides where the seed comes from.
+``use_stateful_dataloader`` is accepted: prepared loaders always save their position
+(``state_dict``/``load_state_dict``, as torchdata's ``StatefulDataLoader``).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel.accel import sharding
+from nbaccel.accel import rng_sync, sharding
 from nbaccel.accel.data import (
     PreparedDataLoader,
     PreparedIterableLoader,
@@ -23,6 +35,7 @@ from nbaccel.accel.data import (
 )
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 from nbaccel.accel.precision import Precision
+from nbaccel.accel.state import DistributedType
 from nbaccel.accel.strategies import Strategy
 from nbaccel.metrics import report_model
 
@@ -51,6 +64,7 @@ class Prepared:
         self.strategy = strategy
         self.precision = precision  # DeepSpeed's config may change it at prepare()
         self.gradients = gradients
+        gradients.sync_with_dataloader = strategy.options.sync_with_dataloader
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -104,7 +118,11 @@ class Prepared:
         if self.strategy.state.is_main_process:  # for the dashboard's memory estimate
             report_model(sum(p.numel() for p in model.parameters()))
         # Evaluation only: placed, autocast and compiled as on one device; never wrapped.
-        strategy = Strategy(self.strategy.state, self.strategy.config) if evaluation_mode else None
+        strategy = (
+            Strategy(self.strategy.state, self.strategy.config, self.strategy.options)
+            if evaluation_mode
+            else None
+        )
         prepared, swap = (strategy or self.strategy).prepare_model(
             model, self.precision, device_placement=placement, ddp_kwargs=self.ddp_kwargs
         )
@@ -143,10 +161,11 @@ class Prepared:
 
     def dataloader(self, loader: DataLoader[Any], placement: bool) -> Loader:
         state = self.strategy.state
+        settings = self.strategy.options.dataloader
         plan = ShardPlan(
             rank=state.rank,
             world_size=state.world_size,
-            seed=self._shared_seed(),
+            seed=self._seed(),
             even_batches=self.even_batches,
             split_batches=self.split_batches,
         )
@@ -154,14 +173,48 @@ class Prepared:
         # XLA: batches move in torch_xla's background loader (MpDeviceLoader's engine).
         stream = self.strategy.device_stream() if placement else None
         kind = PreparedIterableLoader if is_iterable_dataset(loader) else PreparedDataLoader
-        prepared = kind(loader, plan, None if stream else device, self.gradients, stream)
+        prepared = kind(
+            loader,
+            plan,
+            None if stream else device,
+            self.gradients,
+            stream,
+            non_blocking=settings.non_blocking,
+            dispatch=self._dispatches(bool(settings.dispatch_batches)),
+            before_iteration=self._rng_synchronisation(),
+        )
         self.dataloaders.append(prepared)
         return prepared
 
-    def _shared_seed(self) -> int:
+    def _seed(self) -> int:
+        """The shuffling seed, the same on every rank (see the module docstring)."""
+        settings = self.strategy.options.dataloader
+        if settings.data_seed is not None:
+            return int(settings.data_seed)
+        if settings.use_seedable_sampler:
+            return _unsigned(self.strategy.share(_signed(torch.initial_seed())))
         # Drawn from the global torch RNG (so torch.manual_seed makes it reproducible) on
         # rank 0 and shared: every rank must shuffle the same way for disjoint shards.
         return self.strategy.share(int(torch.randint(0, 2**62, (1,)).item()))
+
+    def _dispatches(self, wanted: bool) -> bool:
+        state = self.strategy.state
+        if wanted and state.distributed_type is DistributedType.XLA:
+            raise NotImplementedError(
+                "dispatch_batches=True sends batches from rank 0 as pickled objects over the "
+                "default process group, which torch_xla's replicas do not carry. Leave "
+                "dispatch_batches unset on TPUs: each replica reads its own shard."
+            )
+        return wanted and state.use_distributed  # one process reads everything anyway
+
+    def _rng_synchronisation(self) -> Callable[[], None] | None:
+        """What a pass over a prepared loader calls first: ``rng_types``' synchronisation."""
+        chosen = rng_sync.rngs_to_synchronize(
+            self.strategy.options.rng_types, self.strategy.state.device
+        )
+        if not chosen or not self.strategy.state.use_distributed:
+            return None
+        return functools.partial(rng_sync.synchronize_rngs, chosen, self.strategy)
 
     def forget(self) -> None:
         """Drop every reference to what was prepared (``free_memory``)."""
@@ -187,3 +240,16 @@ def kind_of(obj: Any, index: int) -> str:
         "torch.optim.Optimizer, LR schedulers and torch.utils.data.DataLoader. Wrap a "
         "Dataset in a DataLoader first; use other objects directly without prepare()."
     )
+
+
+def _signed(seed: int) -> int:
+    """A 64-bit seed as the signed integer a tensor can carry; ``_unsigned`` undoes it.
+
+    >>> _unsigned(_signed(2**64 - 1)), _unsigned(_signed(42))
+    (18446744073709551615, 42)
+    """
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def _unsigned(value: int) -> int:
+    return value + 2**64 if value < 0 else value

@@ -39,9 +39,12 @@ def shard_model(
     model: torch.nn.Module,
     options: FSDPOptions,
     state: ProcessState,
-    param_dtype: torch.dtype | None,
+    mixed_dtype: torch.dtype | None,
 ) -> dict[int, torch.nn.Parameter]:
     """Apply FSDP2 to ``model`` in place; returns {id(old parameter): new parameter}.
+
+    ``mixed_dtype``: the run's mixed-precision dtype (None without), which the parameters are
+    gathered in unless ``options.param_dtype`` names another (``mixed_precision_policy``).
 
     Needs the default process group (the launcher's, or torchrun's); see ``wrap_units`` for
     which submodules become shard units.
@@ -75,8 +78,7 @@ def shard_model(
         # SHARD_GRAD_OP keeps the gathered parameters from forward to backward (ZeRO-2);
         # the others free them after each block's forward (ZeRO-3).
         "reshard_after_forward": options.sharding_strategy != "SHARD_GRAD_OP",
-        # Master weights stay fp32; gradients are reduced in fp32 for accuracy.
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        "mp_policy": mixed_precision_policy(options, mixed_dtype),
         # Pinned memory needs an accelerator: without CUDA pinning fails at fully_shard.
         "offload_policy": (
             CPUOffloadPolicy(pin_memory=state.device.type == "cuda")
@@ -89,6 +91,28 @@ def shard_model(
     fully_shard(model, **settings)
     new = dict(model.named_parameters())
     return {old_id: new[name] for old_id, name in names.items() if name in new}
+
+
+_FSDP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(
+    options: FSDPOptions, mixed_dtype: torch.dtype | None
+) -> MixedPrecisionPolicy:
+    """FSDP2's policy from ``fsdp_param_dtype`` / ``fsdp_reduce_dtype``.
+
+    ``auto``: parameters are gathered in the run's mixed-precision dtype (``mixed_dtype``;
+    None keeps them as they are) and gradients reduced in fp32, for exact sums. A named dtype
+    fixes either (Accelerate's ``mixed_precision_policy``). Master weights stay as they are.
+
+    >>> from nbaccel.config.sections import FSDPOptions
+    >>> policy = mixed_precision_policy(FSDPOptions(reduce_dtype="bf16"), torch.float16)
+    >>> policy.param_dtype, policy.reduce_dtype
+    (torch.float16, torch.bfloat16)
+    """
+    param = mixed_dtype if options.param_dtype == "auto" else _FSDP_DTYPES[options.param_dtype]
+    reduce = torch.float32 if options.reduce_dtype == "auto" else _FSDP_DTYPES[options.reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
 def check_host_memory(num_params: int, state: ProcessState, available: int) -> None:

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from nbaccel.config.accelerate_enums import DistributedType
+from nbaccel.config.accelerate_enums import (
+    DistributedType as DistributedType,  # importers use this path
+)
 from nbaccel.config.resolve import resolve
 from nbaccel.config.schema import Config
 from nbaccel.context import active_session

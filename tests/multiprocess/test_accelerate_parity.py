@@ -50,17 +50,13 @@ DROPOUT = (
     "dropout off the same program matches bit for bit, so nbaccel draws from (or leaves) "
     "the global generator differently from Accelerate between set_seed() and the first forward"
 )
-SEEDABLE = (
-    "DataLoaderConfiguration(use_seedable_sampler=True) order: Accelerate's "
-    "SeedableRandomSampler permutes with a generator seeded torch.initial_seed() + epoch; "
-    "nbaccel's batches differ from the first step (even with dropout off)"
-)
 NOT_YET = {
     "bert_classification": ORDER,
     "gpt2_causal_lm": ORDER,
     "gradient_accumulation": f"{DROPOUT}; {ORDER}",
     "bf16_autocast": f"{DROPOUT}; {ORDER} (bf16 itself matches: epoch 1 is exact without dropout)",
-    "checkpoint_resume": f"{SEEDABLE}; {DROPOUT} (nbaccel's own resume is exact)",
+    # The seedable sampler's order matches now; nbaccel's own resume is exact.
+    "checkpoint_resume": DROPOUT,
     "save_pretrained": DROPOUT,
     "trackers": f"{DROPOUT}; {ORDER}; and no hparams.yml under project_dir/<run>/<time>/ "
     "(Accelerate's TensorBoardTracker.store_init_configuration writes one)",

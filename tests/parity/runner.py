@@ -295,17 +295,26 @@ def main(argv: list[str]) -> int:
     fork = multiprocessing.get_context("fork")
     for name in names:
         started = time.monotonic()
-        child = fork.Process(
-            target=_launch_one, args=(name, out_dir, processes), name=f"parity-{name}"
-        )
-        child.start()
-        child.join(PROGRAM_TIMEOUT)
-        if child.exitcode is None:
-            os.killpg(child.pid, signal.SIGKILL)  # the launcher and its workers
-            child.join()
-            error_path(out_dir, "accelerate", name, "-launch").write_text(
-                f"{name} did not finish within {PROGRAM_TIMEOUT} s under Accelerate; killed.\n"
+        # Accelerate is the reference, not what is tested: a launch of its that hangs (seen
+        # about once in a few dozen runs on a loaded 2-core machine, in torch elastic's
+        # start-up) gets one more try before the program counts as failed.
+        for attempt in (1, 2):
+            for stale in (Path(out_dir) / "accelerate").glob(f"{name}.*"):
+                stale.unlink()  # what an earlier attempt left
+            child = fork.Process(
+                target=_launch_one, args=(name, out_dir, processes), name=f"parity-{name}"
             )
+            child.start()
+            child.join(PROGRAM_TIMEOUT)
+            if child.exitcode == 0 and result_path(out_dir, "accelerate", name).exists():
+                break
+            if child.exitcode is None:
+                os.killpg(child.pid, signal.SIGKILL)  # the launcher and its workers
+                child.join()
+                error_path(out_dir, "accelerate", name, "-launch").write_text(
+                    f"{name} did not finish within {PROGRAM_TIMEOUT} s under Accelerate "
+                    f"(attempt {attempt}); killed.\n"
+                )
         print(f"parity: {name} under accelerate: {time.monotonic() - started:.1f} s", flush=True)
     return 0
 

@@ -18,14 +18,19 @@ from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config
 
 
-def detect_process_state(config: Config, env: Mapping[str, str] | None = None) -> ProcessState:
+def detect_process_state(
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    options: AcceleratorOptions | None = None,
+) -> ProcessState:
     """Who this process is (rank, world, device, distributed type), torch_xla's way when
     it trains through torch_xla, else torch.distributed's (initialising the group)."""
     if uses_xla_here(config, env):
         from nbaccel.accel.strategies.xla_setup import detect_xla_state  # imports torch_xla
 
         return detect_xla_state(config)
-    return torch_process_state(config, env)
+    init_kwargs = options.init_process_group_kwargs if options is not None else None
+    return torch_process_state(config, env, init_kwargs=init_kwargs)
 
 
 def start(
@@ -33,7 +38,7 @@ def start(
 ) -> Strategy:
     """The strategy for this process under ``config`` (``options``: the Accelerator's
     keywords that are no config field, see ``nbaccel.config.accelerator_options``)."""
-    return strategy_for(detect_process_state(config, env), config, options)
+    return strategy_for(detect_process_state(config, env, options), config, options)
 
 
 def strategy_for(

@@ -87,7 +87,7 @@ class Strategy:
             self.state,
             precision,
             device_placement=device_placement,
-            dynamo_backend=self.config.dynamo_backend,
+            compilation=models.Compilation.of(self.options),
         )
         return prepared, {}
 

@@ -37,7 +37,12 @@ class DeepSpeed(DataParallel):
         self, objects: list[Any], kinds: list[str], **options: Any
     ) -> dict[int, Any]:
         replaced, self.run, self.ds_config = prepare_deepspeed(
-            objects, kinds, config=self.config, world_size=self.state.world_size, **options
+            objects,
+            kinds,
+            config=self.config,
+            given=self.options.deepspeed_config,  # DeepSpeedPlugin(hf_ds_config={...})
+            world_size=self.state.world_size,
+            **options,
         )
         return replaced
 

@@ -16,7 +16,7 @@ import torch
 from nbaccel.accel import models, sharded_checkpoint
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.strategies.base import ParameterSwap
-from nbaccel.accel.strategies.data_parallel import DataParallel
+from nbaccel.accel.strategies.data_parallel import DataParallel, warn_ddp_options_unused
 
 
 class FullySharded(DataParallel):
@@ -36,8 +36,11 @@ class FullySharded(DataParallel):
         device_placement: bool,
         ddp_kwargs: dict[str, Any],
     ) -> tuple[torch.nn.Module, ParameterSwap]:
+        if ddp_kwargs or self.options.ddp_comm_hook != "no":
+            warn_ddp_options_unused(self.name)
+        compilation = models.Compilation.of(self.options)
         swap = models.prepare_sharded_model(
-            model, self.state, precision, self.config.fsdp, self.config.dynamo_backend
+            model, self.state, precision, self.config.fsdp, compilation
         )
         return model, swap
 

@@ -236,12 +236,6 @@ def test_join_overrides_even_batches_for_the_block_and_restores_it(one_rank_grou
     assert batches == [[4, 5, 6, 7]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ShardedBatchSampler caches an epoch's plan by (seed, epoch) only, so an "
-    "even_batches change after len(loader) is ignored: data.py must key the cache on "
-    "even_batches too (reported to the lead); remove this mark with that fix",
-)
 def test_join_override_applies_after_len_was_taken(one_rank_group: None) -> None:
     model, loader = ddp_model(), prepared_loader(rank=1, world=2)
     assert len(loader) == 2  # e.g. to size a scheduler: padded to even batches
