@@ -112,6 +112,7 @@ class PreparedDataLoader(DataLoader[Any]):
         self.batches_consumed = 0
         self._started = False
         self._resuming = False
+        self._drawn_epoch: int | None = None  # the epoch whose start drew from the RNG
 
     @property
     def total_batch_size(self) -> int | None:
@@ -137,12 +138,25 @@ class PreparedDataLoader(DataLoader[Any]):
                 self.plan.epoch += 1
             self.batches_consumed = 0
         self._started = True
+        if self._drawn_epoch != self.plan.epoch:
+            self._draw_as_a_dataloader_does()
+            self._drawn_epoch = self.plan.epoch
         self.plan.skip_batches = self.batches_consumed
         total = len(self)
         batches = self._dispatched() if self.dispatch else super().__iter__()
         # last_remainder is read per batch: the sampler sets it when iteration starts.
         numbered = enumerate(batches, start=self.batches_consumed + 1)
         yield from _hand_out(self, ((b, n >= total, self.plan.last_remainder) for n, b in numbered))
+
+    def _draw_as_a_dataloader_does(self) -> None:
+        # An epoch of torch's DataLoader draws its workers' base seed from the loader's
+        # generator (the global RNG when it has none), and an unseeded RandomSampler then
+        # draws its own seed: Accelerate's loaders do, so the same dropout masks and orders
+        # follow only if nbaccel's do too. Once per epoch: a pass resumed mid-epoch from a
+        # checkpoint drew before it was saved (load_state restores the RNG after the draws).
+        torch.empty((), dtype=torch.int64).random_(generator=self.original.generator)
+        if self.plan.order == "pass":
+            self.plan.seed = int(torch.empty((), dtype=torch.int64).random_().item())
 
     def _dispatched(self) -> Iterator[Any]:
         """This rank's batches, loaded on rank 0 with this loader's collation and workers."""
@@ -187,6 +201,8 @@ class PreparedDataLoader(DataLoader[Any]):
         if self.batches_consumed >= len(self):  # saved at the end of an epoch
             self.plan.epoch += 1
             self.batches_consumed = 0
+        # Mid-epoch, the epoch's draws happened before the save; at a boundary, not yet.
+        self._drawn_epoch = self.plan.epoch if self.batches_consumed else None
         self._resuming = True
         self._started = True
 

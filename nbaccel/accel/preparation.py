@@ -10,9 +10,11 @@ Dataloaders follow the Accelerator's ``DataLoaderConfiguration`` and ``rng_types
 (``self.strategy.options``). The shuffling seed: ``data_seed`` when given; with
 ``use_seedable_sampler`` and no ``data_seed``, rank 0's ``torch.initial_seed()`` (the seed
 ``set_seed`` set), which makes each epoch's order Accelerate's ``SeedableRandomSampler``
-order; otherwise a seed drawn from the global torch RNG on rank 0. nbaccel's order is
-always seedable in that sense (``seed + epoch``, the same on every rank and after a
-resume), so ``use_seedable_sampler`` only decides where the seed comes from.
+order (``seed + epoch``); otherwise, over several processes, one draw from the global torch
+RNG on rank 0 seeds a generator whose draws go on across epochs (Accelerate's default), and
+on one process each epoch draws its seed as it starts (an untouched DataLoader's order).
+Loaders that do not shuffle draw nothing. Each way is the same on every rank and after a
+resume (the carried generator is replayed, the per-epoch seed is saved).
 ``use_stateful_dataloader`` is accepted: prepared loaders always save their position
 (``state_dict``/``load_state_dict``, as torchdata's ``StatefulDataLoader``).
 """
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from nbaccel.accel import rng_sync, sharding
 from nbaccel.accel.data import (
@@ -162,12 +164,14 @@ class Prepared:
     def dataloader(self, loader: DataLoader[Any], placement: bool) -> Loader:
         state = self.strategy.state
         settings = self.strategy.options.dataloader
+        seed, order = self._seed(loader)
         plan = ShardPlan(
             rank=state.rank,
             world_size=state.world_size,
-            seed=self._seed(),
+            seed=seed,
             even_batches=self.even_batches,
             split_batches=self.split_batches,
+            order=order,
         )
         device = state.device if placement else None
         # XLA: batches move in torch_xla's background loader (MpDeviceLoader's engine).
@@ -186,16 +190,26 @@ class Prepared:
         self.dataloaders.append(prepared)
         return prepared
 
-    def _seed(self) -> int:
-        """The shuffling seed, the same on every rank (see the module docstring)."""
+    def _seed(self, loader: DataLoader[Any]) -> tuple[int, str]:
+        """The shuffling seed, the same on every rank, and how epochs follow from it
+        (``ShardPlan.order``), as Accelerate 1.15's ``prepare_data_loader`` does."""
         settings = self.strategy.options.dataloader
         if settings.data_seed is not None:
-            return int(settings.data_seed)
+            return int(settings.data_seed), "epoch"
         if settings.use_seedable_sampler:
-            return _unsigned(self.strategy.share(_signed(torch.initial_seed())))
-        # Drawn from the global torch RNG (so torch.manual_seed makes it reproducible) on
-        # rank 0 and shared: every rank must shuffle the same way for disjoint shards.
-        return self.strategy.share(int(torch.randint(0, 2**62, (1,)).item()))
+            return _unsigned(self.strategy.share(_signed(torch.initial_seed()))), "epoch"
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, RandomSampler):
+            return 0, "epoch"  # no shuffling: the global RNG is left alone, as Accelerate does
+        if self.strategy.state.world_size == 1:
+            return 0, "pass"  # drawn as each epoch starts, as an untouched DataLoader does
+        # One draw from the global torch RNG (what Accelerate seeds the sampler's generator
+        # with), rank 0's shared: every rank must shuffle alike for disjoint shards.
+        if sampler.generator is not None:
+            drawn = int(torch.empty((), dtype=torch.int64).random_(generator=sampler.generator))
+        else:
+            drawn = int(torch.empty((), dtype=torch.int64).random_().item())
+        return self.strategy.share(drawn), "carry"
 
     def _dispatches(self, wanted: bool) -> bool:
         state = self.strategy.state

@@ -34,6 +34,13 @@ class ShardPlan:
     world_size: int
     seed: int
     even_batches: bool = True
+    # How each epoch's order follows from the seed (the user's loader shuffles):
+    #   "epoch": a generator seeded ``seed + epoch`` (Accelerate's SeedableRandomSampler);
+    #   "carry": one generator seeded ``seed`` whose draws go on from epoch to epoch
+    #            (Accelerate's default over several processes; replayed to resume);
+    #   "pass":  ``seed`` is drawn anew from the global RNG as each epoch starts (what an
+    #            untouched DataLoader does; Accelerate's one-process case).
+    order: str = "epoch"
     split_batches: bool = False
     epoch: int = 0
     skip_batches: int = 0
@@ -51,14 +58,14 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def __init__(self, source: BatchSampler | Sequence[list[int]], plan: ShardPlan) -> None:
         self.source = source
         self.plan = plan
-        self._cached: tuple[tuple[int, int, bool, bool], _EpochPlan] | None = None
+        self._cached: tuple[tuple[int, int, bool, bool, str], _EpochPlan] | None = None
 
     def _global_batches(self) -> _EpochPlan:
         """Every rank's batches in order, padded (with ``split_batches``: the whole batches,
         each a multiple of the world size); and the real samples in the last round."""
         plan = self.plan
         # len() and iter() share one plan; join_uneven_inputs may change even_batches between.
-        key = (plan.seed, plan.epoch, plan.even_batches, plan.split_batches)
+        key = (plan.seed, plan.epoch, plan.even_batches, plan.split_batches, plan.order)
         if self._cached is None or self._cached[0] != key:
             self._cached = (key, self._plan_epoch())
         return self._cached[1]
@@ -86,7 +93,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
         plan = self.plan
         source = self.source
         if isinstance(source, BatchSampler) and isinstance(source.sampler, RandomSampler):
-            order = _shuffled(source.sampler, plan.seed + plan.epoch)
+            if plan.order == "carry":
+                order = _shuffled(source.sampler, plan.seed, draws=plan.epoch + 1)
+            elif plan.order == "pass":
+                order = _shuffled(source.sampler, plan.seed)
+            else:
+                order = _shuffled(source.sampler, plan.seed + plan.epoch)
             size = source.batch_size
             batches = [order[i : i + size] for i in range(0, len(order), size)]
             if source.drop_last and batches and len(batches[-1]) < size:
@@ -111,19 +123,22 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return len(range(self.plan.rank, len(batches), self.plan.world_size))
 
 
-def _shuffled(sampler: RandomSampler, seed: int) -> list[int]:
-    """The user's RandomSampler's draw, seeded so that every rank draws the same order."""
+def _shuffled(sampler: RandomSampler, seed: int, draws: int = 1) -> list[int]:
+    """The user's RandomSampler's order from a generator seeded ``seed``: its ``draws``-th
+    pass (torch's own sampler drains the generator as a real epoch does, so the later passes
+    equal a loader that kept one generator across epochs)."""
     generator = torch.Generator()
     generator.manual_seed(seed)
-    if not sampler.replacement and sampler._num_samples is None:
-        return torch.randperm(len(sampler.data_source), generator=generator).tolist()
     same_kind = RandomSampler(
         sampler.data_source,
         replacement=sampler.replacement,
         num_samples=sampler._num_samples,
         generator=generator,
     )
-    return list(same_kind)
+    order: list[int] = []
+    for _ in range(draws):
+        order = list(same_kind)
+    return order
 
 
 def _round_robin(

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+import yaml
+
 # Tracker name -> (modules, any one of which is enough; the install command to suggest).
 _LIBRARIES: dict[str, tuple[tuple[str, ...], str]] = {
     "tensorboard": (
@@ -268,6 +270,10 @@ class TensorBoardTracker(_Base):
         text = json.dumps(_plain(config), indent=2)
         # The Text tab renders Markdown; a four-space indent makes it a verbatim code block.
         self._live().add_text("config", textwrap.indent(text, "    "), 0)
+        # And as Accelerate's TensorBoard tracker keeps it: <run>/<time>/hparams.yml.
+        folder = self.dir / str(time.time())
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hparams.yml").write_text(yaml.safe_dump(_plain(config)), encoding="utf-8")
 
     def log(self, values: Mapping[str, float], step: int) -> None:
         """One scalar event per value; the tag is the metric name."""

@@ -38,31 +38,11 @@ pytestmark = pytest.mark.timeout(600)
 DEFAULT_TOLERANCE = (1e-6, 1e-6)  # (relative, absolute)
 TOLERANCES = {"fsdp_plugin": (1e-4, 1e-6)}
 
-# What each program still needs from nbaccel, measured on this tree. Three behaviours explain
-# every numeric difference (each confirmed by turning it off in a copy of the program):
-ORDER = (
-    "epoch 2+ data order: Accelerate's default sampler draws every epoch's permutation from "
-    "one synchronized generator that carries on across epochs; nbaccel's order differs "
-    "from the second epoch on (epoch 1 matches bit for bit)"
-)
-DROPOUT = (
-    "torch's global RNG stream: with dropout on, losses differ from the first step; with "
-    "dropout off the same program matches bit for bit, so nbaccel draws from (or leaves) "
-    "the global generator differently from Accelerate between set_seed() and the first forward"
-)
-NOT_YET = {
-    "bert_classification": ORDER,
-    "gpt2_causal_lm": ORDER,
-    "gradient_accumulation": f"{DROPOUT}; {ORDER}",
-    "bf16_autocast": f"{DROPOUT}; {ORDER} (bf16 itself matches: epoch 1 is exact without dropout)",
-    # The seedable sampler's order matches now; nbaccel's own resume is exact.
-    "checkpoint_resume": DROPOUT,
-    "save_pretrained": DROPOUT,
-    "trackers": f"{DROPOUT}; {ORDER}; and no hparams.yml under project_dir/<run>/<time>/ "
-    "(Accelerate's TensorBoardTracker.store_init_configuration writes one)",
-    "batch_size_finder": DROPOUT,
-    "kwargs_handlers": DROPOUT,
-}
+# What a program still needs from nbaccel, measured on this tree. (Fixed: Accelerate's
+# default shuffle carries one generator across epochs, its DataLoader draws the workers' base
+# seed from the global RNG at each epoch, and an unshuffled loader draws nothing at prepare:
+# nbaccel's prepared loaders do the same, so dropout masks and orders agree bit for bit.)
+NOT_YET: dict[str, str] = {}
 
 
 def nbaccel_case(name: str) -> Any:

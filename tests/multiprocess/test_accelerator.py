@@ -25,9 +25,15 @@ def train_regression(
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
+    from nbaccel.utils import DataLoaderConfiguration
+
     torch.manual_seed(0)
+    # A seedable order is the same for any number of processes (the default order, as in
+    # Accelerate, draws its seed differently on one process than on several).
     acc = nbaccel.Accelerator(
-        gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision
+        gradient_accumulation_steps=accumulation,
+        mixed_precision=mixed_precision,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     data = torch.Generator().manual_seed(1)
     x, y = torch.randn(96, 6, generator=data), torch.randn(96, 1, generator=data)

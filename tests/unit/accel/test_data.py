@@ -130,9 +130,14 @@ def test_custom_variable_size_batches_are_kept_on_several_ranks() -> None:
 def test_prepared_loader_reshuffles_each_epoch_without_set_epoch() -> None:
     torch.manual_seed(5)
     loader = Accelerator().prepare(DataLoader(torch.arange(12), batch_size=4, shuffle=True))
-    before = torch.get_rng_state()
     epochs = [[i for b in loader for i in b.tolist()] for _ in range(2)]
-    assert torch.equal(torch.get_rng_state(), before)  # iteration leaves the global RNG alone
+    after = torch.get_rng_state()
+    # On one process: the batches and the global RNG's draws of an untouched DataLoader
+    # (what Accelerate leaves it), so dropout after each epoch's start is the same too.
+    torch.manual_seed(5)
+    plain = DataLoader(torch.arange(12), batch_size=4, shuffle=True)
+    assert [[i for b in plain for i in b.tolist()] for _ in range(2)] == epochs
+    assert torch.equal(torch.get_rng_state(), after)
     assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(12)) and epochs[0] != epochs[1]
     torch.manual_seed(5)
     again = Accelerator().prepare(DataLoader(torch.arange(12), batch_size=4, shuffle=True))
@@ -167,21 +172,25 @@ def test_loader_position_resumes_mid_epoch_and_at_the_end() -> None:
     def fresh() -> Any:
         return Accelerator().prepare(DataLoader(torch.arange(12), batch_size=2, shuffle=True))
 
+    torch.manual_seed(0)
     loader = fresh()
     epoch0 = []
     for i, batch in enumerate(loader):
         epoch0.append(batch.tolist())
         if i == 2:
-            middle = loader.state_dict()
-    end = loader.state_dict()
+            middle, middle_rng = loader.state_dict(), torch.get_rng_state()
+    end, end_rng = loader.state_dict(), torch.get_rng_state()
     epoch1 = [b.tolist() for b in loader]
     assert middle["batches_consumed"] == 3 and end["epoch"] == 0
+    torch.manual_seed(1)
     resumed = fresh()  # another seed: the state's seed must win
     resumed.load_state_dict(middle)
+    torch.set_rng_state(middle_rng)  # as load_state restores it
     assert [b.tolist() for b in resumed] == epoch0[3:]
     assert [b.tolist() for b in resumed] == epoch1  # then the next epoch, complete
     at_end = fresh()
     at_end.load_state_dict(end)
+    torch.set_rng_state(end_rng)
     assert [b.tolist() for b in at_end] == epoch1
 
 
