@@ -116,11 +116,25 @@ class Checkpoints:
             safe_serialization=safe_serialization,
         )
 
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str]) -> None:
-        """Write the consolidated weights to ``save_directory/model.safetensors`` (rank 0)."""
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike[str],
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the consolidated weights under ``save_directory`` from rank 0:
+        ``model.safetensors`` (``pytorch_model.bin`` with ``safe_serialization=False``), or
+        numbered shards of at most ``max_shard_size`` with an index, as Accelerate does."""
         strategy = self.prepared.strategy
         strategy.before_save()
-        strategy.save_model(model, Path(save_directory), strategy.state.is_main_process)
+        strategy.save_model(
+            model,
+            Path(save_directory),
+            strategy.state.is_main_process,
+            max_shard_size=max_shard_size,
+            safe_serialization=safe_serialization,
+        )
         strategy.barrier()
 
     def stateful(self, models: list[torch.nn.Module] | None = None) -> checkpoint.Stateful:

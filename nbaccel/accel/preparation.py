@@ -39,6 +39,7 @@ from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, Grad
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType
 from nbaccel.accel.strategies import Strategy
+from nbaccel.config.deepspeed_placeholders import DummyOptim, DummyScheduler
 from nbaccel.metrics import report_model
 
 _SCHEDULER_TYPES: tuple[type, ...] = (
@@ -241,6 +242,12 @@ class Prepared:
 
 def kind_of(obj: Any, index: int) -> str:
     """Which of prepare()'s four kinds ``obj`` is; TypeError naming what is accepted."""
+    if isinstance(obj, (DummyOptim, DummyScheduler)):
+        raise NotImplementedError(
+            f"prepare() got a {type(obj).__name__}: the placeholder for an optimizer or "
+            "scheduler that a DeepSpeed config defines. nbaccel does not build those from the "
+            "config yet; create the torch optimizer (and scheduler) yourself and prepare them."
+        )
     if isinstance(obj, torch.nn.Module):
         return "model"
     if isinstance(obj, torch.optim.Optimizer):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel import collectives, models
+from nbaccel.accel import collectives, models, weight_files
 from nbaccel.accel.checkpoint import DeviceHooks
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType, ProcessState
@@ -178,11 +178,19 @@ class Strategy:
         inner = self.unwrap_model(model, keep_autocast=True, keep_compile=False)
         return dict(inner.state_dict())
 
-    def save_model(self, model: torch.nn.Module, directory: Path, is_main: bool) -> None:
-        """Write the consolidated weights to ``directory/model.safetensors`` (rank 0)."""
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        directory: Path,
+        is_main: bool,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        """Write the consolidated weights under ``directory`` (rank 0), in one file or
+        shards (``weight_files``)."""
         weights = self.full_state_dict(model)
         if is_main:
-            models.save_state_file(weights, directory)
+            weight_files.write_weights(weights, directory, max_shard_size, safe_serialization)
 
     @property
     def checkpoint_layout(self) -> str:

@@ -105,7 +105,20 @@ class DeepSpeed(DataParallel):
         # Gathered from every rank's ZeRO partitions (stage 3: every rank must call).
         return self._run().consolidated_state_dict()
 
-    def save_model(self, model: torch.nn.Module, directory: Path, is_main: bool) -> None:
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        directory: Path,
+        is_main: bool,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
+        if max_shard_size != "10GB" or not safe_serialization:
+            raise NotImplementedError(
+                "save_model under DeepSpeed writes one model.safetensors through the engine's "
+                "own gathering; max_shard_size and safe_serialization=False are not supported "
+                "there yet. Call accelerator.get_state_dict(model) and save it yourself."
+            )
         self._run().save_model(directory)
 
     @property

@@ -94,3 +94,37 @@ def test_a_trigger_set_on_this_process_is_seen_once() -> None:
     acc.set_trigger()
     assert acc.check_trigger() is True
     assert acc.check_trigger() is False  # reset by the check
+
+
+def test_save_model_writes_accelerates_files_one_or_sharded(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)))
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    acc.save_model(model, tmp_path / "one")
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["model.safetensors"]
+    acc.save_model(model, tmp_path / "bin", safe_serialization=False)
+    assert torch.load(tmp_path / "bin" / "pytorch_model.bin").keys() == expected.keys()
+    acc.save_model(model, tmp_path / "shards", max_shard_size="10KB")  # 16.6 KB of weights
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    loaded: dict[str, torch.Tensor] = {}
+    for name in files:
+        loaded |= load_file(str(tmp_path / "shards" / name))
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in expected.values())
+    with pytest.raises(ValueError, match="not a size"):
+        acc.save_model(model, tmp_path / "bad", max_shard_size="ten gigs")
+
+
+def test_deepspeeds_config_placeholders_are_refused_by_name() -> None:
+    from nbaccel.utils import DummyOptim
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(NotImplementedError, match="DummyOptim: the placeholder"):
+        Accelerator().prepare(model, DummyOptim(model.parameters()))
