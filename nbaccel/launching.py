@@ -55,7 +55,10 @@ def notebook_launcher(
 ) -> Any:
     """Run ``function(*args)`` on every worker, stream their output, return rank 0's value.
 
-    A drop-in for ``accelerate.notebook_launcher`` (same first three arguments). A failing
+    A drop-in for ``accelerate.notebook_launcher``: the same first three arguments, and its
+    keywords (``mixed_precision``, ``use_port``, ``master_addr``, ``node_rank``, ``num_nodes``,
+    ``rdzv_backend``, ...) mapped onto the config or refused with the reason
+    (``nbaccel.config.launcher_keywords``). Any Config field is a keyword too. A failing
     rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
     the worker's traceback chained. An interrupt stops every worker and re-raises.
 

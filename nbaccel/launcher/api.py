@@ -22,6 +22,7 @@ from typing import Any
 from nbaccel.config.accelerate_compat import accelerate_env
 from nbaccel.config.deepspeed import deepspeed_config
 from nbaccel.config.files import as_nested
+from nbaccel.config.launcher_keywords import from_accelerate_keywords
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
@@ -56,7 +57,7 @@ def start(
     """
     # Everything that can be wrong is found before any process, folder, pipe or port exists.
     checks.check_call(function, args, kwargs)
-    explicit = dict(overrides)
+    explicit = from_accelerate_keywords(overrides)  # use_port=, num_nodes=, ... as Accelerate's
     if num_processes is not None:
         explicit["num_processes"] = num_processes
     resolved = resolve(explicit, env=os.environ, config=config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -380,3 +381,31 @@ def test_many_metrics_stay_out_of_the_kernel_memory_yet_all_come_back(runs_dir: 
     assert [m["step"] for m in metrics] == list(range(1000))
     assert metrics[-1] == {"loss": 1.0 / 1000, "step": 999}
     assert len(run._metrics) == 100  # the window: the rest is read from events.jsonl
+
+
+def test_a_cell_written_for_accelerates_notebook_launcher_runs_unchanged(runs_dir: str) -> None:
+    """Every keyword of accelerate.notebook_launcher, as an Accelerate user writes them."""
+    with socket.socket() as probe:  # a port free now; the launch binds it itself
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    value = nbaccel.notebook_launcher(
+        describe_worker,
+        (),
+        2,
+        mixed_precision="bf16",
+        use_port=str(port),
+        master_addr="127.0.0.1",
+        node_rank=0,
+        num_nodes=1,
+        rdzv_backend="static",
+        rdzv_endpoint="",
+        rdzv_conf=None,
+        rdzv_id="none",
+        max_restarts=0,
+        monitor_interval=0.1,
+        log_line_prefix_template=None,
+        runs_dir=runs_dir,
+        dashboard=False,
+    )
+    assert value["env"]["MASTER_PORT"] == str(port)
+    assert value["env"]["WORLD_SIZE"] == "2" and value["mp"] == "bf16"
