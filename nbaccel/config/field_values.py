@@ -13,12 +13,9 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nbaccel.errors import ConfigError
-
-if TYPE_CHECKING:
-    from nbaccel.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -36,8 +33,8 @@ class Option:
     maximum: float | None
     accelerate_env: str | None
 
-    def get(self, config: Config) -> Any:
-        """This field's value in ``config`` (nested sections followed by the dotted path)."""
+    def get(self, config: object) -> Any:
+        """This field's value in a ``Config`` (nested sections followed by the dotted path)."""
         value: Any = config
         for part in self.path.split("."):
             value = getattr(value, part)
