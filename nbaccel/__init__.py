@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from nbaccel.config.resolve import resolve
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, active_session
+from nbaccel.detached_runs import attach, runs
 from nbaccel.errors import (
     CollectiveTimeout,
     ConfigError,
@@ -137,6 +138,7 @@ __all__ = [
     "SerializationError",
     "WorkerError",
     "active_session",
+    "attach",
     "cpu_offload",
     "cpu_offload_with_hook",
     "debug_launcher",
@@ -154,6 +156,7 @@ __all__ = [
     "notebook_launcher",
     "prepare_pippy",
     "resolve",
+    "runs",
     "skip_first_batches",
     "synchronize_rng_states",
 ]

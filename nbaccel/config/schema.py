@@ -173,6 +173,16 @@ class Config:
         "older ones are read back from run_dir/events.jsonl when asked for.",
         minimum=0,
     )
+    detach: bool = schema_field(
+        False,
+        "Run the workers under a supervisor of their own that outlives the kernel: restarting "
+        "or losing the kernel leaves the run going; nbaccel.attach(run_id) finds it again.",
+    )
+    max_duration: float | None = schema_field(
+        None,
+        "Seconds after which a detached run's supervisor stops every worker (None: no limit).",
+        minimum=0.001,
+    )
 
     def __post_init__(self) -> None:
         for opt in options():
@@ -283,6 +293,13 @@ def _check_consistency(config: Config) -> None:
             "fsdp_sharding_strategy='HYBRID_SHARD' shards within a machine and replicates "
             "across machines, but num_machines=1. Use FULL_SHARD on one machine.",
             field="fsdp_sharding_strategy",
+        )
+    if config.max_duration is not None and not config.detach:
+        raise ConfigError(
+            f"max_duration={config.max_duration:g} limits detached runs, whose supervisor "
+            "enforces it, but detach=False. Set detach=True, or stop a run in the cell with "
+            "the kernel's interrupt or run.stop().",
+            field="max_duration",
         )
     if config.strategy == "xla" and config.use_cpu:
         raise ConfigError(

@@ -29,15 +29,13 @@ from nbaccel.context import ProcessContext
 from nbaccel.devices import detect_tpu, loopback_interface, usable_cpu_cores, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.launcher import checks
+from nbaccel.launcher.detached import start_detached
 from nbaccel.launcher.helper import shared_helper
 from nbaccel.launcher.payload import build_payload
+from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, private_file
 from nbaccel.xla_plan import XlaPlan, plan_xla, uses_xla, xla_worker_env
-
-# What shows a run (the widget dashboard, or text): called once with the run and the number
-# of GPUs it uses, before its workers start. Chosen by the entry points above the launcher.
-Display = Callable[[Run, int], None]
 
 
 def start(
@@ -53,8 +51,25 @@ def start(
     """Check everything, then start ``function(*args, **kwargs)`` on every worker.
 
     ``show(run, gpus)`` subscribes what displays the run (the widget dashboard or text,
-    chosen above the launcher by ``nbaccel.launch``) before its workers start.
+    chosen above the launcher by ``nbaccel.launch``) before its workers start. With
+    ``detach=True`` the workers run under a supervisor of their own (``detached.py``) and
+    the returned run is attached to it.
     """
+    planned = plan(function, args, num_processes, kwargs, config, overrides)
+    if planned.resolved.config.detach:
+        return start_detached(planned, show=show)
+    return start_planned(planned, show=show)
+
+
+def plan(
+    function: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any],
+    num_processes: int | None,
+    kwargs: Mapping[str, Any] | None,
+    config: ConfigSource,
+    overrides: Mapping[str, Any],
+) -> Planned:
+    """Everything about a launch but its processes, checked: an error here leaves nothing."""
     # Everything that can be wrong is found before any process, folder, pipe or port exists.
     checks.check_call(function, args, kwargs)
     explicit = from_accelerate_keywords(overrides)  # use_port=, num_nodes=, ... as Accelerate's
@@ -68,9 +83,21 @@ def start(
     world_size = xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, gpus)
     checks.check_log_ranks(resolved.config, world_size)
     checks.check_project_dir(resolved.config)
-    payload = build_payload(function, tuple(args), kwargs or {}, resolved.config)
+    return Planned(
+        run_id=time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3),
+        resolved=resolved,
+        xla=xla,
+        gpus=gpus,
+        world_size=world_size,
+        payload=build_payload(function, tuple(args), kwargs or {}, resolved.config),
+        env=dict(os.environ),
+        cwd=os.getcwd(),
+    )
 
-    run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+def start_planned(planned: Planned, *, show: Display) -> Run:
+    """Start a planned launch's workers in this process's helper; ``show`` sees the run."""
+    resolved, xla, gpus, run_id = planned.resolved, planned.xla, planned.gpus, planned.run_id
     # Bind the rendezvous port here and hand the listening socket to rank 0: the port is
     # held from the moment it is chosen, so no other process can take it.
     listener = _rendezvous_listener(resolved)
@@ -82,19 +109,19 @@ def start(
     with tempfile.TemporaryFile() as payload_file, listener:
         helper = shared_helper()  # started on first use; it imports torch while we go on
         _write_config(run_dir, resolved)
-        run = Run(run_id, run_dir, resolved.config, world_size, xla=xla)
+        run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
         show(run, gpus)
-        payload_file.write(payload)
+        payload_file.write(planned.payload)
         payload_file.flush()
         port = listener.getsockname()[1]
         requests = [
             {
                 "context": context,
-                "env": worker_env(context, resolved.config, os.environ, on_cpu=not gpus)
+                "env": worker_env(context, resolved.config, planned.env, on_cpu=not gpus)
                 | (xla_worker_env(xla) if xla else {}),
-                "cwd": os.getcwd(),
+                "cwd": planned.cwd,
             }
-            for context in _contexts(run_id, world_size, port, run_dir)
+            for context in _contexts(run_id, planned.world_size, port, run_dir)
         ]
         # torch_xla's rank 0 serves its own store on MASTER_PORT: the port is released for it
         # when this block ends, just before its workers start (they take seconds to import).

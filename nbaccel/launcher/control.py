@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import struct
 from typing import Any
 
 MAX_MESSAGE = 1 << 20
@@ -52,3 +53,13 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the peer of a Unix socket runs as this user. An abstract socket has no file
+    permissions and its name is listed in /proc/net/unix for every local user, so anyone
+    could connect: what it serves (a rank's payload, a detached run's events) goes only to
+    this user's processes."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    uid: int = struct.unpack("3i", creds)[1]
+    return uid == os.getuid()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import struct
 import threading
 import traceback
 from typing import Any
@@ -70,7 +69,7 @@ class Handout:
 
     def _serve_one(self, conn: socket.socket) -> None:
         with conn:
-            if not same_user(conn):
+            if not control.same_user(conn):
                 return  # another user's process: no payload, no pipes
             message, _ = control.receive(conn)
             if message is None:
@@ -115,16 +114,6 @@ class Handout:
             pass
         self._thread.join(timeout=2)
         self._server.close()
-
-
-def same_user(conn: socket.socket) -> bool:
-    """Whether the peer runs as this user. An abstract socket has no file permissions and
-    its name is listed in /proc/net/unix for every local user, so anyone could connect; a
-    rank's payload (the user's function and data) and pipes go only to this user's
-    processes (torch_xla's workers are)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    uid: int = struct.unpack("3i", creds)[1]
-    return uid == os.getuid()
 
 
 def report(event_fd: int, rank: int, error: BaseException, cause: str = "error") -> None:

@@ -13,7 +13,7 @@ import sys
 
 from nbaccel.config.schema import shown_ranks
 from nbaccel.errors import ConfigError
-from nbaccel.launcher.api import Display
+from nbaccel.launcher.planned import Display
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
 from nbaccel.ui.kernel import in_kernel, widgets_installed

@@ -1,0 +1,41 @@
+"""A launch checked and ready to start, as plain data.
+
+``api.plan`` makes it in the kernel; ``api.start_planned`` starts its workers there, or a
+detached run's supervisor (``supervisor_main.py``) starts them in its own process after
+receiving it pickled. Everything the workers need travels inside: the resolved config, the
+payload bytes, the environment and working folder the kernel had at launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nbaccel.config.resolve import Resolved
+from nbaccel.xla_plan import XlaPlan
+
+if TYPE_CHECKING:
+    from nbaccel.launcher.run import Run
+
+# What shows a run (the widget dashboard, or text): called once with the run and the number
+# of GPUs it uses, before its workers start. Chosen by the entry points above the launcher.
+Display = Callable[["Run", int], None]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """Everything about a launch but its processes (see ``api.plan``)."""
+
+    run_id: str
+    resolved: Resolved
+    xla: XlaPlan | None
+    gpus: int  # GPUs the run uses (0: CPU or torch_xla)
+    world_size: int
+    payload: bytes  # what every worker reads: function, args, config (payload.py)
+    env: dict[str, str]  # the launching process's environment, the base of each worker's
+    cwd: str
+
+    def describe(self) -> dict[str, Any]:
+        """What ``nbaccel.runs()`` shows of a run before its events say more."""
+        return {"run_id": self.run_id, "world_size": self.world_size, "gpus": self.gpus}
