@@ -55,6 +55,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"nbaccel: no script at {args.target!r} (use -m for a module).", file=sys.stderr)
         return 2
     if config.num_machines > 1:
+        if config.detach:
+            print(
+                "nbaccel: --detach runs on one machine; with --num_machines > 1 each "
+                "machine's `nbaccel launch` is its own supervisor: run it under nohup, "
+                "tmux or your scheduler instead.",
+                file=sys.stderr,
+            )
+            return 2
         from nbaccel.launcher.elastic import launch_machines
 
         # One folder per machine: several "machines" may share a host and a working folder.
@@ -65,8 +73,15 @@ def run(args: argparse.Namespace) -> int:
         run_script,
         args=(args.target, args.module, list(args.target_args)),
         config=config,
-        dashboard="text",
+        dashboard="text" if not config.detach else False,
     )
+    if config.detach:  # the supervisor runs it; this terminal may close
+        print(
+            f"nbaccel: detached run {run_.run_id} ({run_.run_dir}). Follow it with "
+            f"`nbaccel attach {run_.run_id}`, stop it with `nbaccel attach --stop "
+            f"{run_.run_id}`, list runs with `nbaccel runs`."
+        )
+        return 0
     try:
         run_.wait()
     except KeyboardInterrupt:

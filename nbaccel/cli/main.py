@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
     demo.set_defaults(run=_demo)
-    for module_name in ("nbaccel.cli.config", "nbaccel.cli.env", "nbaccel.cli.launch"):
+    for module_name in (
+        "nbaccel.cli.config",
+        "nbaccel.cli.env",
+        "nbaccel.cli.launch",
+        "nbaccel.cli.runs",
+    ):
         try:
             module = __import__(module_name, fromlist=["register"])
         except ModuleNotFoundError as error:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nbaccel.config.resolve import Resolved
 from nbaccel.xla_plan import XlaPlan
@@ -35,7 +35,3 @@ class Planned:
     payload: bytes  # what every worker reads: function, args, config (payload.py)
     env: dict[str, str]  # the launching process's environment, the base of each worker's
     cwd: str
-
-    def describe(self) -> dict[str, Any]:
-        """What ``nbaccel.runs()`` shows of a run before its events say more."""
-        return {"run_id": self.run_id, "world_size": self.world_size, "gpus": self.gpus}

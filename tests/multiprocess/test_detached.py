@@ -8,6 +8,7 @@ a bound) between its steps, so the test decides when new steps happen: no sleeps
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -219,3 +220,32 @@ def test_interrupting_the_launching_process_leaves_a_detached_run_going(tmp_path
     assert psutil.Process(supervisor_pid).is_running()
     gate.touch()
     assert nbaccel.attach(run_id, runs_dir=runs, dashboard=False).result(60)["steps"] == 6
+
+
+def test_the_command_line_launches_detached_lists_and_follows(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    (tmp_path / "train.py").write_text(
+        TRAIN + f"train({str(gate)!r}, 2, 2)\nprint('finished', flush=True)\n"
+    )
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "nbaccel.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={**os.environ, "HOME": str(tmp_path)},
+        )
+
+    launched = cli("launch", "--detach", "--num_processes", "2", "train.py")
+    assert launched.returncode == 0, launched.stderr  # returned while the run waits at the gate
+    run_id = launched.stdout.split("detached run ")[1].split()[0]
+    assert run_id in cli("runs").stdout
+    gate.touch()
+    followed = cli("attach", run_id)
+    assert followed.returncode == 0, followed.stderr
+    assert "finished" in followed.stdout
+    listed = cli("runs", "--prune", "0")
+    assert f"pruned 1 run folder(s): {run_id}" in listed.stdout
+    assert not (tmp_path / "nbaccel_runs" / run_id).exists()
