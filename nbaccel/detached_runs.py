@@ -31,7 +31,7 @@ def runs(
 
     >>> import nbaccel, tempfile
     >>> nbaccel.runs(tempfile.mkdtemp())
-    []
+    run  state  started  elapsed  world  last metrics
     """
     return list_runs(_runs_dir(runs_dir), prune)
 

@@ -74,6 +74,8 @@ class RunsTable(list[RunSummary]):
             lines.append(f"pruned {len(self.pruned)} run folder(s): {', '.join(self.pruned)}")
         return "\n".join(line.rstrip() for line in lines)
 
+    __repr__ = __str__  # the text a terminal, or Jupyter's text/plain, shows
+
     def _repr_html_(self) -> str:
         head, *body = self.rows()
         cells = "".join(f"<th>{html.escape(c)}</th>" for c in head)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import psutil
 import pytest
 from nbclient import NotebookClient
 
@@ -62,6 +63,7 @@ def test_notebooks_folder_has_examples() -> None:
         "04_resume_from_checkpoint",
         "05_accelerate_code_unchanged",
         "06_colab_tpu",
+        "07_long_runs",
     }, names
 
 
@@ -122,8 +124,40 @@ class Update:
     buffers: dict[str, str]  # trait -> sha256 of its bytes (PNG frames)
 
 
-def _recording_client(updates: list[Update]) -> type[NotebookClient]:
+@dataclass
+class Restart:
+    """What the harness saw when it restarted the kernel before a ``restart-kernel-before``
+    cell: the old kernel's pid, and the detached supervisors it had started."""
+
+    old_kernel: int
+    supervisors: list[psutil.Process]
+    old_kernel_gone: bool
+    supervisors_alive: bool
+
+
+def _recording_client(updates: list[Update], restarts: list[Restart]) -> type[NotebookClient]:
     class RecordingClient(NotebookClient):  # type: ignore[misc]
+        async def async_execute_cell(
+            self, cell: Any, cell_index: int, *args: Any, **kwargs: Any
+        ) -> Any:
+            if "restart-kernel-before" in cell.metadata.get("tags", []):
+                await self._restart_kernel()
+            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+
+        async def _restart_kernel(self) -> None:
+            """Kill the kernel as Kernel -> Restart does (its process group, SIGKILL)."""
+            old = psutil.Process(self.km.provisioner.pid)
+            supervisors = [
+                child
+                for child in old.children()
+                if "nbaccel.launcher.supervisor_main" in " ".join(child.cmdline())
+            ]
+            await self.km.restart_kernel(now=True)
+            await self.kc.wait_for_ready(timeout=self.startup_timeout)
+            gone = not old.is_running() or old.status() == psutil.STATUS_ZOMBIE
+            alive = all(p.is_running() for p in supervisors)
+            restarts.append(Restart(old.pid, supervisors, gone, alive))
+
         def handle_comm_msg(self, outs: Any, msg: dict[str, Any], cell_index: int) -> None:
             data = msg["content"].get("data", {})
             if "state" in data:
@@ -148,13 +182,14 @@ def test_example_notebook_runs(name: str, cells: Any, kernel_dirs: Path, tmp_pat
     kernel_tmp = kernel_dirs / "tmp"
     before = set(kernel_tmp.iterdir())
     updates: list[Update] = []
+    restarts: list[Restart] = []
     # allow_errors=False: nbclient raises CellExecutionError at the first unexpected error.
     cells.execute(
         nb,
         folder,
         timeout=CELL_TIMEOUT,
         allow_errors=False,
-        client_class=_recording_client(updates),
+        client_class=_recording_client(updates, restarts),
     )
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -169,7 +204,7 @@ def test_example_notebook_runs(name: str, cells: Any, kernel_dirs: Path, tmp_pat
     assert not left, f"{name} left temp folders behind: {left}"
     check = CONTENT_CHECKS.get(name)
     if check is not None:
-        check(Widgets(nb, updates), cells, folder)
+        check(Widgets(nb, updates, restarts), cells, folder)
 
 
 # --------------------------------------------------------------------------- reading widgets
@@ -178,8 +213,9 @@ def test_example_notebook_runs(name: str, cells: Any, kernel_dirs: Path, tmp_pat
 class Widgets:
     """A run notebook's stored widget state and the updates received, read per cell."""
 
-    def __init__(self, nb: Any, updates: list[Update]) -> None:
+    def __init__(self, nb: Any, updates: list[Update], restarts: list[Restart]) -> None:
         self.nb = nb
+        self.restarts = restarts
         self.updates = updates
         stored = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
         assert stored, "no widget state was stored: did the cells block until the run ended?"
@@ -498,10 +534,39 @@ def _check_accelerate(widgets: Widgets, cells: Any, folder: Path) -> None:
     assert ": succeeded" in text, text
 
 
+def _check_long_runs(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    launched = cells.stream(cells.cell(nb, "launch")) + cells.result(cells.cell(nb, "launch"))
+    run_id = re.search(r"<nbaccel.Run \(detached\) (\S+) ", launched)
+    assert run_id, launched
+    # The harness killed kernel A; the run's supervisor lived on, and kernel B found it.
+    [restart] = widgets.restarts
+    assert restart.old_kernel_gone and len(restart.supervisors) == 1, restart
+    assert restart.supervisors_alive, "the detached run died with its kernel"
+    attached = cells.result(cells.cell(nb, "attach"))
+    assert f"<nbaccel.Run (detached) {run_id[1]} " in attached, attached
+    result = ast.literal_eval(cells.result(cells.cell(nb, "result")))
+    assert result["steps"] == 40 and result["final_loss"] < 50, result
+    # Kernel B's dashboard replayed the curve and followed the run to its end.
+    dashboard = widgets.dashboard("attach")
+    header = widgets.text(dashboard["header"])
+    assert header.startswith("succeeded") and "2 processes" in header, header
+    frames = widgets.frames(dashboard["curve"], "attach") + widgets.frames(
+        dashboard["curve"], "result"
+    )
+    assert frames and widgets.png(dashboard["curve"]).startswith(PNG), "no curve in kernel B"
+    _, alive = psutil.wait_procs(restart.supervisors, timeout=30)
+    assert not alive, "the supervisor stayed after its run ended"
+    listed = cells.result(cells.cell(nb, "runs"))
+    assert run_id[1] in listed and "succeeded" in listed, listed
+    assert f"pruned 1 run folder(s): {run_id[1]}" in cells.result(cells.cell(nb, "prune"))
+
+
 CONTENT_CHECKS = {
     "01_quickstart_cpu.ipynb": _check_quickstart,
     "02_config_panel.ipynb": _check_config_panel,
     "03_precision_and_sharding.ipynb": _check_precision_and_sharding,
     "04_resume_from_checkpoint.ipynb": _check_resume,
     "05_accelerate_code_unchanged.ipynb": _check_accelerate,
+    "07_long_runs.ipynb": _check_long_runs,
 }
