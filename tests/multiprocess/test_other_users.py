@@ -135,3 +135,71 @@ def socket_to(address: str):  # type: ignore[no-untyped-def]
     conn.settimeout(30)
     conn.connect(address)
     return conn
+
+
+ATTACH_AS_STRANGER = """
+import socket, sys
+for request in (b"follow\\n", b"stop\\n"):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    conn.connect("\\0" + sys.argv[1])
+    try:
+        conn.sendall(request)
+        got = conn.recv(1 << 16)
+    except OSError:  # closed on us
+        got = b""
+    print("GOT", len(got))
+"""
+
+
+class FakeRun:
+    """Just what the attach server uses of a Run."""
+
+    def __init__(self) -> None:
+        self.subscribers: list = []
+        self.stops = 0
+
+    def subscribe(self, subscriber) -> None:  # type: ignore[no-untyped-def]
+        self.subscribers.append(subscriber)
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+def test_a_detached_runs_attach_channel_serves_only_this_user(shared_tmp: Path) -> None:
+    # The supervisor's abstract socket name is listed in /proc/net/unix for every user.
+    from nbaccel.events import FrameDecoder, Metric
+    from nbaccel.launcher.attach_server import AttachServer
+
+    prefix = as_another_user()
+    server, run = AttachServer(), FakeRun()
+    server.show(run, 0)  # type: ignore[arg-type]
+    run.subscribers[0](Metric(0, 7, {"loss": 0.5}, 0.0))
+    try:
+        stranger = subprocess.run(
+            [
+                *prefix,
+                sys.executable,
+                "-c",
+                textwrap.dedent(ATTACH_AS_STRANGER),
+                server.address[1:],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=shared_tmp,
+        )
+        assert stranger.stdout.split("\n")[:2] == ["GOT 0", "GOT 0"], (
+            stranger.stdout + stranger.stderr
+        )
+        assert run.stops == 0
+        import socket
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mine:  # this user is served
+            mine.settimeout(30)
+            mine.connect(server.address)
+            mine.sendall(b"follow\n")
+            [message] = FrameDecoder().feed(mine.recv(1 << 16))
+        assert message == {"event": Metric(0, 7, {"loss": 0.5}, 0.0)}
+    finally:
+        server.close()
