@@ -156,8 +156,11 @@ def test_a_failure_is_raised_in_the_kernel_that_attaches(tmp_path: Path) -> None
 
     runs = str(tmp_path / "runs")
     run = nbaccel.launch(fails, num_processes=2, detach=True, runs_dir=runs, dashboard=False)
+    supervisor = psutil.Process(run.supervisor_pid)  # type: ignore[attr-defined]
     with pytest.raises(KeyError, match="missing column"):
         run.result(60)
+    _, alive = psutil.wait_procs([supervisor], timeout=30)  # it leaves once its run ended
+    assert not alive
     again = nbaccel.attach(run.run_id, runs_dir=runs, dashboard=False)
     with pytest.raises(KeyError, match="missing column"):
         again.result(10)
