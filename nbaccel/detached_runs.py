@@ -54,7 +54,7 @@ def attach(
     ValueError: no detached run under ...: launch one with detach=True.
     """
     run = AttachedRun(find_run(_runs_dir(runs_dir), run_id))
-    choose_display(dashboard, blocking=False)(run, 0)
+    choose_display(dashboard, blocking=False)(run, run.gpus)
     run.connect()
     return run
 

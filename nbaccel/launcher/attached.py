@@ -56,6 +56,7 @@ class AttachedRun(Run):
         self._exits: dict[int, int] = {}
         self.xla_device = record.get("xla_device")
         self.supervisor_pid: int = record["pid"]
+        self.gpus: int = record.get("gpus", 0)  # what a dashboard reads memory from
 
     # ----- Run's public API, served from the supervisor or the files ---------------
     @property

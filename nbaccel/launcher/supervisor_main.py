@@ -51,6 +51,7 @@ def main(plan_file: str) -> int:
         "address": server.address,
         "started": time.time(),
         "world_size": run.world_size,
+        "gpus": planned.gpus,
         "xla_device": run.xla_device,
     }
     with private_file(run.run_dir / SUPERVISOR_RECORD) as record_file:
