@@ -2,10 +2,14 @@
 
 One row per schema option (a field added to ``Config`` appears here untouched), starting
 from ``resolve()`` (defaults < files < env < the keywords given to the panel) and labelled
-with each value's source; rows that do not apply are hidden by the wizard's own
-``APPLIES_WHEN``, and a hidden option takes its default, as in ``nbaccel config``. Every
-change runs the schema's validation and shows each ``ConfigError`` next to the field it
-names; Launch stays disabled until the config is valid and this machine can run it.
+with each value's source. Rows are grouped as the wizard asks (``config_groups``: processes
+and machines, precision, strategy and sharding, training loop, logging; *advanced*
+collapsed). Rows that do not apply are hidden by the wizard's own ``APPLIES_WHEN`` (a hidden
+option takes its default, as in ``nbaccel config``), and so are fields that cannot matter on
+this machine (``xla_start_method`` without a TPU), unless "show settings for other
+machines" is ticked or they hold a value other than the default. Every change runs the
+schema's validation and shows each ``ConfigError`` next to the field it names; Launch
+stays disabled until the config is valid and this machine can run it.
 
 While a blocking cell runs, the browser's widget events do not reach the kernel (FACTS.md),
 so the Launch button starts a non-blocking ``nbaccel.launch`` and keeps the Run in
@@ -26,13 +30,14 @@ import ipywidgets as widgets
 from nbaccel.config.display import applies, launch_flags
 from nbaccel.config.files import save
 from nbaccel.config.resolve import resolve
-from nbaccel.config.schema import Config, flatten, option, options, sections
-from nbaccel.devices import visible_gpu_count
+from nbaccel.config.schema import Config, flatten, option, options
+from nbaccel.devices import detect_tpu, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.events import Event, RunEnded, RunState
 from nbaccel.launcher.api import plan_world_size
 from nbaccel.memory_estimate import count_parameters
 from nbaccel.ui import config_widgets as cw
+from nbaccel.ui.config_groups import Machine, matters_here
 
 if TYPE_CHECKING:
     from nbaccel.launcher.run import Run
@@ -91,6 +96,8 @@ class ConfigPanel:
         self.sources: dict[str, str] = dict(resolved.sources)
         self._start_values = flatten(self.start)
         self._gpus = visible_gpu_count(self._env)  # once: NVML is slow
+        tpu = detect_tpu(Path("/"), self._env)
+        self._machine = Machine(self._gpus, tpu.chips, bool(tpu.pjrt_device))
         self._num_params = count_parameters(model) if model is not None else num_params
         self._given_limit = memory_limit
         self._limits: dict[bool, tuple[int, str] | None] = {}  # read once per device kind
@@ -171,25 +178,20 @@ class ConfigPanel:
             "<b>nbaccel config</b> <span style='color:#777'>(defaults &lt; files &lt; "
             "NBACCEL_* env &lt; code &lt; this panel)</span>"
         )
-        children: list[Any] = [title]
-        self.section_boxes: dict[str, Any] = {}
-        for opt in options():
-            section = opt.path.split(".")[0] if "." in opt.path else ""
-            if not section:
-                children.append(self.rows[opt.name].box)
-                continue
-            if section not in self.section_boxes:
-                header = widgets.HTML(
-                    f"<b>{section}</b>: <span style='color:#777'>"
-                    f"{html.escape(sections()[section])}</span>"
-                )
-                box = widgets.VBox([header], layout=widgets.Layout(margin="4px 0 4px 16px"))
-                box.add_class("nbaccel-panel-section")
-                box.add_class(f"nbaccel-section-{section}")
-                self.section_boxes[section] = box
-                children.append(box)
-            box = self.section_boxes[section]
-            box.children = (*box.children, self.rows[opt.name].box)
+        self.group_boxes, self.section_boxes = cw.group_boxes(self.rows)
+        self.show_all = _with_class(
+            widgets.Checkbox(
+                value=False,
+                description="show settings for other machines",
+                indent=False,
+                layout=widgets.Layout(width="auto"),
+            ),
+            "nbaccel-panel-show-all",
+        )
+        self.hidden_note = _with_class(widgets.HTML(), "nbaccel-panel-hidden-note")
+        self.show_all.observe(self._refresh, names="value")
+        children: list[Any] = [title, *self.group_boxes.values()]
+        children.append(widgets.HBox([self.show_all, self.hidden_note]))
         self.memory = _with_class(widgets.HTML(), "nbaccel-panel-memory")
         self.launch_button = _button("Launch", "nbaccel-panel-launch", "play", "success")
         self.stop_button = _button("Stop", "nbaccel-panel-stop", "stop", "danger")
@@ -241,8 +243,16 @@ class ConfigPanel:
                 plan_world_size(config, self._env, gpus)
             except ConfigError as error:  # valid, but not here: Save and the command still work
                 machine[error.field or ""] = f"On this machine: {error}"
+        hidden_here: list[str] = []  # applies, but cannot matter on this machine
         for name, row in self.rows.items():
             shown = applies(row.option.path, values)
+            if (
+                shown
+                and not self.show_all.value
+                and not matters_here(row.option, self._machine, values)
+            ):
+                shown = False
+                hidden_here.append(name)
             row.box.layout.display = None if shown else "none"
             text = problems.get(name) or machine.get(name)
             if text and not shown:
@@ -256,6 +266,8 @@ class ConfigPanel:
             (row.box.add_class if is_changed else row.box.remove_class)("nbaccel-panel-changed")
         for section, box in self.section_boxes.items():
             box.layout.display = None if applies(f"{section}.", values) else "none"
+        cw.show_groups(self.group_boxes, self.rows)
+        self.hidden_note.value = cw.hidden_note(hidden_here, self._machine)
         general += [text for name, text in machine.items() if name not in self.rows]
         self._config = config
         self.problems = {n: problems[n] for n in self.rows if n in problems} | machine

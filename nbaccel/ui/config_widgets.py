@@ -10,16 +10,17 @@ and ipywidgets only; ``pynvml`` and ``psutil`` are imported when a memory limit 
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as widgets
 
 from nbaccel.config.display import show_value
-from nbaccel.config.schema import Config, Option, from_flat, option, parse_text
+from nbaccel.config.schema import Config, Option, from_flat, option, parse_text, sections
 from nbaccel.errors import ConfigError
 from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
+from nbaccel.ui.config_groups import GROUPS, Machine, grouped_options
 
 LABEL_WIDTH = "230px"
 INPUT_WIDTH = "520px"
@@ -54,7 +55,9 @@ def make_row(opt: Option, value: Any) -> FieldRow:
     source.add_class("nbaccel-panel-source")
     indent = f"0 0 0 calc({LABEL_WIDTH} + 8px)"
     help_text = widgets.HTML(
-        f'<span style="color:#777;font-size:85%">{html.escape(opt.help)}</span>',
+        # A block with its own line height: the widget's 28 px line made each wrapped help
+        # line as tall as an input row.
+        f'<div style="color:#777;font-size:85%;line-height:1.35">{html.escape(opt.help)}</div>',
         layout=widgets.Layout(margin=indent, width=INPUT_WIDTH),
     )
     message = widgets.HTML(layout=widgets.Layout(margin=indent, display="none"))
@@ -257,5 +260,76 @@ def memory_html(
     verdict, colour = ("fits", "#2e7d32") if need <= nbytes else ("does not fit", "#c62828")
     return (
         f'{text}<br><b style="color:{colour}">{verdict}</b>: {format_bytes(need)} {scope} of '
-        f"{format_bytes(nbytes)} {html.escape(what)} ({share}); activations come on top."
+        f"{format_bytes(nbytes)} {html.escape(what)} ({share}).<br><span style='color:#777'>"
+        "Model states only (parameters, gradients, optimizer state, DDP buckets): "
+        "activations and each worker's runtime (Python, torch, CUDA context) come on top; "
+        "the dashboard of a run shows them measured.</span>"
+    )
+
+
+def group_boxes(rows: Mapping[str, FieldRow]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One Accordion per group of ``config_groups`` (open, but *advanced* collapsed) holding
+    its rows in schema order; a nested section's rows sit in a box of their own, under the
+    section's name. Returns ``({group key: accordion}, {section: its box})``."""
+    groups: dict[str, Any] = {}
+    sections_found: dict[str, Any] = {}
+    for group in GROUPS:
+        children: list[Any] = []
+        for opt in grouped_options()[group.key]:
+            section = opt.path.split(".")[0] if "." in opt.path else ""
+            if not section:
+                children.append(rows[opt.name].box)
+                continue
+            if section not in sections_found:
+                header = widgets.HTML(
+                    f"<b>{section}</b>: <span style='color:#777'>"
+                    f"{html.escape(sections()[section])}</span>"
+                )
+                box = widgets.VBox([header], layout=widgets.Layout(margin="4px 0 4px 16px"))
+                box.add_class("nbaccel-panel-section")
+                box.add_class(f"nbaccel-section-{section}")
+                sections_found[section] = box
+                children.append(box)
+            box = sections_found[section]
+            box.children = (*box.children, rows[opt.name].box)
+        accordion = widgets.Accordion(
+            children=[widgets.VBox(children)],
+            titles=(group.title,),
+            selected_index=None if group.collapsed else 0,
+        )
+        accordion.add_class("nbaccel-panel-group")
+        accordion.add_class(f"nbaccel-group-{group.key}")
+        groups[group.key] = accordion
+    return groups, sections_found
+
+
+def show_groups(groups: Mapping[str, Any], rows: Mapping[str, FieldRow]) -> None:
+    """Hide a group none of whose rows is shown; title each with what it holds now.
+
+    The title counts the rows changed in the panel, so a collapsed group still says that
+    it holds an edit."""
+    for group in GROUPS:
+        members = [rows[opt.name] for opt in grouped_options()[group.key]]
+        visible = [row for row in members if row.box.layout.display != "none"]
+        changed = sum("nbaccel-panel-changed" in row.box._dom_classes for row in visible)
+        title = group.title + (f" ({changed} changed)" if changed else "")
+        accordion = groups[group.key]
+        if tuple(accordion.titles) != (title,):
+            accordion.titles = (title,)
+        accordion.layout.display = None if visible else "none"
+
+
+def hidden_note(names: Sequence[str], machine: Machine) -> str:
+    """What the machine filter hid, and why (empty when nothing was).
+
+    >>> hidden_note(["xla_start_method"], Machine(gpus=0))
+    "<span style='color:#777'>Hidden: xla_start_method (no GPU, no TPU on this machine)</span>"
+    """
+    if not names:
+        return ""
+    gpus = f"{machine.gpus} GPU{'s' if machine.gpus > 1 else ''}" if machine.gpus else "no GPU"
+    tpus = f"{machine.tpu_chips} TPU chips" if machine.tpu_chips else "no TPU"
+    return (
+        f"<span style='color:#777'>Hidden: {html.escape(', '.join(names))} "
+        f"({gpus}, {tpus} on this machine)</span>"
     )

@@ -18,7 +18,6 @@ blocking call the kernel interrupt stops the run, and the UI says so.
 
 from __future__ import annotations
 
-import base64
 import html
 import math
 import queue
@@ -29,7 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.events import Event, RunEnded, RunStarted, WorkerStarted
+from nbaccel.ui.compare import EarlierRuns, earlier_runs
 from nbaccel.ui.dashboard_model import DashboardModel, MemoryReading
+from nbaccel.ui.dashboard_output import CellOutput
 from nbaccel.ui.dashboard_text import (
     errors_html,
     header_html,
@@ -46,7 +47,7 @@ IDLE_REFRESH = 1.0  # the header's clock ticks in seconds
 END_WAIT = 10.0  # the pump thread waits this long for the final frames and summary
 
 
-class Dashboard(DashboardWidgets):
+class Dashboard(CellOutput, DashboardWidgets):
     """Widgets for one run, fed with the run's events (it is a run subscriber).
 
     ``threaded=False`` runs no UI thread: call ``tick(now)`` to apply queued events and
@@ -96,10 +97,12 @@ class Dashboard(DashboardWidgets):
         self.visible_log: list[str] = []
         self.summary_png: bytes | None = None
         self.summary_text = ""
+        self.earlier: EarlierRuns | None = None  # the runs picked to overlay, once listed
         super().__init__(model.ranks, rank, blocking=blocking, can_stop=stop is not None)
         self.rank_selector.observe(self._on_rank, names="value")
         self.metric_selector.observe(self._on_metric, names="value")
         self.stop_button.on_click(self._on_stop)
+        self.compare.observe(self._on_compare, names="value")
 
     # ----- input (any thread) -------------------------------------------------------
     def __call__(self, event: Event) -> None:
@@ -112,7 +115,7 @@ class Dashboard(DashboardWidgets):
             return  # its cell shows only the summary now: nothing to update
         self._put(event, urgent=isinstance(event, (RunStarted, RunEnded)))
         if isinstance(event, WorkerStarted) and self._sampler is not None:
-            self._sampler.wake()  # the worker's pid is known now: read its memory at once
+            self._sampler.worker_started(event.pid)  # its bare RSS, then every worker's
         if isinstance(event, RunStarted) and self._threaded:
             self.start()
         ui_thread = self._thread
@@ -130,6 +133,16 @@ class Dashboard(DashboardWidgets):
     def _on_metric(self, change: dict[str, Any]) -> None:
         if not self._writing and change["new"] is not None:
             self._put(("metric", change["new"]), urgent=True)
+
+    def _on_compare(self, change: dict[str, Any]) -> None:
+        if self._writing:
+            return
+        thread = self._thread
+        self._put(("compare", tuple(change["new"])), urgent=True)
+        if self._finished.is_set():  # the UI thread has ended with the run: draw it here
+            if thread is not None:
+                thread.join(1.0)
+            self.tick(force=True)
 
     def _on_stop(self, _button: Any) -> None:
         if self._stop is not None and not self._stop_clicked:
@@ -185,6 +198,11 @@ class Dashboard(DashboardWidgets):
         self._put(done, urgent=True)
         if not done.wait(timeout):
             raise TimeoutError(f"the dashboard did not flush within {timeout} s")
+
+    @property
+    def curve_xlim(self) -> tuple[float, float] | None:
+        """The curve's x axis now (None before its first frame): what a test checks."""
+        return self._plots[1].xlim if self._plots is not None else None
 
     def wait_finished(self, timeout: float = END_WAIT) -> bool:
         """Wait until the final frames and summary are written; False on timeout."""
@@ -268,6 +286,9 @@ class Dashboard(DashboardWidgets):
                     self._dirty_images = True
                 elif kind == "stop":
                     self._stopping = True
+                elif kind == "compare" and self.earlier is not None:
+                    self.earlier.pick(value)  # reads each newly picked run's events once
+                    self._dirty_images = True
                 self._dirty_text = True  # ("close", None) only wakes the thread: see tick
             elif item is not None:
                 self.model.handle(item)
@@ -309,6 +330,11 @@ class Dashboard(DashboardWidgets):
         steps, values = model.series(self._metric)
         shown = f"{self._metric} = {values[-1]:.6g} at step {steps[-1]}" if steps else ""
         self._set("metric_value", self.metric_value, "value", f"<code>{html.escape(shown)}</code>")
+        if self.earlier is None and model.run_dir:  # listed once, when the run started
+            self.earlier = EarlierRuns(model.run_dir)
+            listed = earlier_runs(model.run_dir)
+            self._set("compare_options", self.compare, "options", tuple(listed))
+            self._set("compare_shown", self.compare.layout, "display", None if listed else "none")
         done = model.state.done
         inert = done or self._stopping or self._blocking or self._stop is None
         self._set("stop_disabled", self.stop_button, "disabled", inert)
@@ -326,18 +352,28 @@ class Dashboard(DashboardWidgets):
                 return
             self._plots = (plots, plots.CurvePlot(), plots.MemoryBars())
         plots, curve, bars = self._plots
-        steps, values = self.model.series(self._metric)
-        if steps and self._written.get("curve_key") != (self._metric, self.model.metrics_version):
-            self._written["curve_key"] = (self._metric, self.model.metrics_version)
-            png = curve.render(self._metric, steps, values, self.model.expected_last_step)
+        model, done = self.model, self.model.state.done
+        steps, values = model.series(self._metric)
+        picked = self.earlier.picked if self.earlier is not None else ()
+        key = (self._metric, model.metrics_version, done, picked)
+        if steps and self._written.get("curve_key") != key:
+            self._written["curve_key"] = key
+            overlays = self.earlier.overlays(self._metric) if self.earlier is not None else []
+            png = curve.render(
+                self._metric, steps, values, model.expected_last_step, final=done,
+                overlays=overlays,
+            )  # fmt: skip
             self._set("curve", self.curve, "value", png)
             self._set("curve_shown", self.curve.layout, "display", None)
-        readings = self.model.memory
-        if readings and self._written.get("memory_key") != self.model.memory_version:
-            self._written["memory_key"] = self.model.memory_version
-            self._set("memory", self.memory, "value", bars.render(readings))
+            earlier = self.earlier
+            legend = earlier.legend_html(self._metric, model.run_id) if earlier else ""
+            self._set("curve_legend", self.curve_legend, "value", legend)
+        readings = model.memory
+        if readings and self._written.get("memory_key") != (model.memory_version, done):
+            self._written["memory_key"] = (model.memory_version, done)
+            self._set("memory", self.memory, "value", bars.render(readings, ended=done))
             self._set("memory_shown", self.memory.layout, "display", None)
-            text = memory_html(readings, estimate=self.model.estimate)
+            text = memory_html(readings, ended=done, estimate=model.estimate)
             self._set("memory_text", self.memory_text, "value", text)
 
     def _finish(self) -> None:
@@ -345,10 +381,7 @@ class Dashboard(DashboardWidgets):
             self._sampler.stop()
         self._drain()  # the sampler's last readings
         self._write_text()
-        self._write_images()
-        if self.model.memory:  # the workers are gone: their figures are the last readings
-            html_text = memory_html(self.model.memory, ended=True, estimate=self.model.estimate)
-            self._set("memory_text", self.memory_text, "value", html_text)
+        self._write_images()  # the run is done: the curve fits its steps, the bars its peaks
         self.summary_text = summary_text(self.model)
         if self._plots is not None and (self.model.metric_names or self.model.memory):
             series = {name: self.model.series(name) for name in self.model.metric_names}
@@ -356,33 +389,3 @@ class Dashboard(DashboardWidgets):
             self.summary_png = self._plots[0].render_summary(series, self.model.memory, title)
         self._publish_summary()
         self._finished.set()
-
-    # ----- cell output ------------------------------------------------------------
-    def show(self) -> None:
-        """Display the widgets in the current cell, and reserve two outputs for the summary."""
-        from IPython import display as ipython_display
-
-        display: Any = ipython_display.display  # untyped in IPython
-        self._write_text()  # the header at once; the UI thread takes over when the run starts
-        bundle = dict(self.widget._repr_mimebundle_())
-        # What a notebook viewer without the widget state shows instead of a VBox repr.
-        bundle["text/plain"] = "nbaccel live dashboard (its final summary follows)"
-        display(bundle, raw=True)
-        # Outputs with a display_id, filled at the end with update_display_data: they stay
-        # in this cell (and in the saved notebook) wherever the kernel is by then.
-        self._summary_outputs = (
-            display({"text/plain": ""}, raw=True, display_id=True),
-            display({"text/plain": ""}, raw=True, display_id=True),
-        )
-
-    def _publish_summary(self) -> None:
-        if self._summary_outputs is None:
-            return
-        text_output, image_output = self._summary_outputs
-        text = self.summary_text
-        text_output.update(
-            {"text/plain": text, "text/html": f"<pre>{html.escape(text)}</pre>"}, raw=True
-        )
-        if self.summary_png is not None:
-            image = base64.b64encode(self.summary_png).decode("ascii")
-            image_output.update({"image/png": image, "text/plain": text.split("\n")[0]}, raw=True)

@@ -9,10 +9,9 @@ device. Each part has a version number so the view redraws only what changed. St
 from __future__ import annotations
 
 import re
-import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nbaccel.config.schema import Config
 from nbaccel.events import (
@@ -28,29 +27,29 @@ from nbaccel.events import (
     WorkerStarted,
 )
 from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
+from nbaccel.ui.dashboard_parts import (
+    ErrorReport,
+    LogTail,
+    MemoryReading,
+    Series,
+    error_report,
+    exit_text,
+)
+
+__all__ = [
+    "DashboardModel",
+    "ErrorReport",
+    "Header",
+    "LogTail",
+    "MemoryReading",
+    "Series",
+    "error_report",
+    "exit_text",
+]
 
 # tqdm's default bar ends with "| n/total [elapsed<remaining, rate]".
 _PROGRESS = re.compile(r"(\d+)/(\d+) \[")
 _RATE_WINDOW = 20.0  # seconds of (time, step) samples behind the step rate
-
-
-@dataclass(frozen=True)
-class MemoryReading:
-    """One device's memory in bytes; ``None`` where it is not known (shown as "n/a")."""
-
-    device: str
-    current: int | None
-    peak: int | None
-    limit: int | None
-
-
-@dataclass(frozen=True)
-class ErrorReport:
-    """A failure to highlight: which rank, one summary line, and its traceback (may be "")."""
-
-    rank: int | None
-    summary: str
-    traceback: str
 
 
 @dataclass(frozen=True)
@@ -68,60 +67,6 @@ class Header:
     world_size: int
     strategy: str
     precision: str
-
-
-class LogTail:
-    """The last ``limit`` lines of one rank; a ``\\r`` redraw replaces its line in place.
-
-    >>> tail = LogTail(limit=2)
-    >>> for text, replace, partial in [("a", False, False), (" 5%", False, True),
-    ...                                ("50%", True, True), ("99%", True, False)]:
-    ...     tail.add(text, replace, partial)
-    >>> tail.lines, tail.dropped
-    (['a', '99%'], 0)
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._lines: deque[str] = deque(maxlen=limit)
-        self._open = False  # the last line ended with "\r": the next one may overwrite it
-        self.dropped = 0  # lines that fell off the front (still in run.logs(rank))
-        self.version = 0
-
-    @property
-    def lines(self) -> list[str]:
-        return list(self._lines)
-
-    def add(self, text: str, replace: bool, partial: bool) -> None:
-        if replace and self._open and self._lines:
-            self._lines[-1] = text
-        else:
-            if len(self._lines) == self._lines.maxlen:
-                self.dropped += 1
-            self._lines.append(text)
-        self._open = partial
-        self.version += 1
-
-
-@dataclass
-class Series:
-    """One metric against step, kept to at most ``limit`` points by halving its density."""
-
-    limit: int
-    steps: list[int] = field(default_factory=list)
-    values: list[float] = field(default_factory=list)
-    stride: int = 1  # keep every stride-th point; doubles each time the series fills up
-    _seen: int = 0
-
-    def add(self, step: int, value: float) -> None:
-        self._seen += 1
-        if (self._seen - 1) % self.stride:
-            return
-        self.steps.append(step)
-        self.values.append(value)
-        if len(self.steps) >= self.limit:
-            # Dropping every other point keeps the whole curve's shape at bounded cost.
-            del self.steps[1::2], self.values[1::2]
-            self.stride *= 2
 
 
 class DashboardModel:
@@ -149,6 +94,7 @@ class DashboardModel:
         self.strategy = strategy
         self.precision = precision
         self.run_id = ""
+        self.run_dir = ""  # from RunStarted: its parent holds the earlier runs to compare
         self.state = RunState.PENDING
         self.pids: dict[int, int] = {}
         self.errors: list[ErrorReport] = []
@@ -213,6 +159,7 @@ class DashboardModel:
             self.memory_version += 1
         elif isinstance(event, RunStarted):
             self.run_id, self.world_size = event.run_id, event.world_size
+            self.run_dir = event.run_dir
             self.state, self._started = RunState.RUNNING, event.time
         elif isinstance(event, RankExited):
             if event.exitcode != 0 and not self.errors and self.state is RunState.RUNNING:
@@ -226,13 +173,23 @@ class DashboardModel:
                 self._set_error(None)
 
     def set_memory(self, readings: list[MemoryReading]) -> None:
-        """Take a memory sample; peaks are the highest seen for each device."""
+        """Take a memory sample; peaks are the highest seen for each device, ``last`` the
+        latest known reading (kept when a worker has gone and reads "n/a")."""
         for reading in readings:
             old = self._memory.get(reading.device)
             old_peak = old.peak if old is not None else None
             peaks = [p for p in (reading.peak, reading.current, old_peak) if p is not None]
+            last, baseline = reading.current, reading.baseline
+            if old is not None:
+                last = old.last if last is None else last
+                baseline = old.baseline if baseline is None else baseline
             self._memory[reading.device] = MemoryReading(
-                reading.device, reading.current, max(peaks) if peaks else None, reading.limit
+                reading.device,
+                reading.current,
+                max(peaks) if peaks else None,
+                reading.limit,
+                last=last,
+                baseline=baseline,
             )
         self.memory_version += 1
 
@@ -340,39 +297,6 @@ class DashboardModel:
             self._progress_times.clear()  # a new bar (next epoch) restarts the count
         self._progress = (n, total)
         _push(self._progress_times, (event.time, n))
-
-
-def error_report(error: BaseException) -> ErrorReport:
-    """The failure as the dashboard shows it: the rank, a summary, the worker's traceback.
-
-    >>> from nbaccel.errors import RemoteTraceback, WorkerError
-    >>> error = WorkerError("rank 1 raised ValueError: bad", rank=1)
-    >>> error.__cause__ = RemoteTraceback("Traceback from rank 1:\\nValueError: bad")
-    >>> report = error_report(error)
-    >>> report.rank, report.summary, report.traceback.splitlines()
-    (1, 'WorkerError: rank 1 raised ValueError: bad', ['Traceback from rank 1:', 'ValueError: bad'])
-    """
-    rank = getattr(error, "rank", None)
-    cause = error.__cause__
-    traceback = str(getattr(cause, "text", "")) if cause is not None else ""
-    return ErrorReport(
-        rank if isinstance(rank, int) else None, f"{type(error).__name__}: {error}", traceback
-    )
-
-
-def exit_text(rank: int, exitcode: int) -> str:
-    """How a worker process ended, in words.
-
-    >>> exit_text(1, -9), exit_text(0, 3)
-    ('rank 1 was killed by SIGKILL', 'rank 0 exited with code 3')
-    """
-    if exitcode >= 0:
-        return f"rank {rank} exited with code {exitcode}"
-    try:
-        name = signal.Signals(-exitcode).name
-    except ValueError:
-        name = f"signal {-exitcode}"
-    return f"rank {rank} was killed by {name}"
 
 
 def _push(window: deque[tuple[float, int]], sample: tuple[float, int]) -> None:

@@ -92,7 +92,7 @@ def summary_text(model: DashboardModel) -> str:
         )
     for r in model.memory:
         lines.append(
-            f"memory {r.device}: {size_text(r.current)} last, {size_text(r.peak)} peak, "
+            f"memory {r.device}: {size_text(r.peak)} peak, {size_text(r.last)} last, "
             f"{size_text(r.limit)} limit"
         )
     if model.estimate is not None:
@@ -127,10 +127,25 @@ def log_html(lines: list[str], dropped: int, rank: int) -> str:
         body.append(text)
     # column-reverse anchors the scroll position at the bottom as the tail is replaced.
     return (
-        "<div style='display:flex;flex-direction:column-reverse;height:16em;overflow:auto;"
-        "border:1px solid #ddd;background:#fafafa'><pre style='margin:0;padding:4px;"
-        "font-size:12px;line-height:1.3'>" + "\n".join(body) + "</pre></div>"
+        f"<div style='display:flex;flex-direction:column-reverse;height:{log_height(len(body))};"
+        "overflow:auto;border:1px solid #ddd;background:#fafafa'><pre style='margin:0;"
+        "padding:4px;font-size:12px;line-height:1.3'>" + "\n".join(body) + "</pre></div>"
     )
+
+
+LOG_LINE_EM = 1.3  # the <pre>'s line height, in em of its 12 px font
+LOG_MAX_LINES = 12  # beyond this many lines the box scrolls (its newest line in view)
+
+
+def log_height(lines: int) -> str:
+    """The log box's CSS height: as many lines as the tail holds (at least one, at most
+    ``LOG_MAX_LINES``), plus the padding, so a one-line log does not sit in an empty box.
+
+    >>> log_height(1), log_height(0), log_height(500)
+    ('calc(15.6px + 10px)', 'calc(15.6px + 10px)', 'calc(187.2px + 10px)')
+    """
+    shown = min(max(lines, 1), LOG_MAX_LINES)
+    return f"calc({shown * LOG_LINE_EM * 12:.1f}px + 10px)"  # 8 px padding, 2 px border
 
 
 def errors_html(errors: list[ErrorReport]) -> str:
@@ -154,20 +169,65 @@ _PRECISION = {"no": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
 def memory_html(
     readings: list[MemoryReading], ended: bool = False, estimate: MemoryEstimate | None = None
 ) -> str:
-    """One line per device: current (the last reading once the run ended), peak and limit
-    ("n/a" where unknown); then the estimate for the prepared model, when there is one."""
-    when = "last" if ended else "now"
-    rows = [
-        f"{html.escape(r.device)}: {size_text(r.current)} {when} · {size_text(r.peak)} peak"
-        f" · {size_text(r.limit)} limit"
-        for r in readings
-    ]
+    """One line per device, then what the numbers cover.
+
+    While running: the reading now, the peak and the limit. Once the run ended the bars
+    show each device's peak; the text gives the peak and the last reading before the worker
+    ended ("n/a" where unknown). On CPU a reading is the worker's RSS: the whole process,
+    of which a bare worker (``MemoryReading.baseline``) is Python and torch alone, so the
+    rest is the run's. The estimate, when a model was prepared, is model states only.
+    """
+    rows = []
+    for r in readings:
+        if ended:
+            text = f"{size_text(r.last)} last · {size_text(r.peak)} peak (the bar)"
+        else:
+            text = f"{size_text(r.current)} now · {size_text(r.peak)} peak"
+        rows.append(f"{html.escape(r.device)}: {text} · {size_text(r.limit)} limit")
+    notes = [covers_text(readings, estimate)]
     if estimate is not None:
-        rows.append(html.escape(estimate_line(estimate)))
-    return "<small style='font-family:monospace'>" + "<br>".join(rows) + "</small>"
+        notes.append(estimate_line(estimate))
+    return (
+        "<div style='font-family:monospace;font-size:85%;line-height:1.4'>"
+        + "<br>".join(rows)
+        + "<div style='color:#555;margin-top:2px'>"
+        + "<br>".join(html.escape(note) for note in notes if note)
+        + "</div></div>"
+    )
+
+
+def covers_text(readings: list[MemoryReading], estimate: MemoryEstimate | None) -> str:
+    """What a reading covers, in words: on CPU the whole worker process's RSS, split into a
+    bare worker and the run's own share (from the highest peak), else the device's use.
+
+    >>> r = MemoryReading("rank 0 (cpu)", 300 * 2**20, 310 * 2**20, 2**34, baseline=250 * 2**20)
+    >>> covers_text([r], None)  # doctest: +NORMALIZE_WHITESPACE
+    'RSS = the whole worker process. A bare worker (Python + torch, before the function)
+    holds 250.0 MiB; the run adds 60.0 MiB at its peak: model states, activations, data,
+    caches.'
+    """
+    cpu = [r for r in readings if r.device.endswith("(cpu)")]
+    if not cpu:
+        return "Device memory in use (the whole device: runtime and caches included)."
+    text = "RSS = the whole worker process."
+    baselines = [r.baseline for r in cpu if r.baseline is not None]
+    peaks = [r.peak for r in cpu if r.peak is not None]
+    if baselines:
+        bare = size_text(min(baselines))
+        text += f" A bare worker (Python + torch, before the function) holds {bare}"
+        if peaks:
+            added = max(0, max(peaks) - min(baselines))
+            what = "model states, activations, data, caches"
+            text += f"; the run adds {size_text(added)} at its peak: {what}."
+        else:
+            text += "."
+    return text
 
 
 def estimate_line(estimate: MemoryEstimate) -> str:
-    """The estimate next to the readings: model states only (no activations), so a
-    reading above it is expected; on CPU the process's RSS also holds torch itself."""
-    return f"estimate (model states, per device): {estimate.describe()}"
+    """The estimate next to the readings: model states only (no activations, no runtime),
+    so a reading above it is expected."""
+    return (
+        f"Estimate for the prepared model, model states only (not activations, not the "
+        f"runtime): {estimate.describe()}"
+    )

@@ -2,9 +2,9 @@
 
 Every part carries a CSS class (``nbaccel-dashboard``, ``nbaccel-header``, ``nbaccel-log``,
 ``nbaccel-errors``, ``nbaccel-rank``, ``nbaccel-stop``, ``nbaccel-stop-note``,
-``nbaccel-metric``, ``nbaccel-metric-value``, ``nbaccel-curve``, ``nbaccel-memory-text``,
-``nbaccel-memory``): a notebook's stored widget state lists it in ``_dom_classes``, and a
-browser test selects by it.
+``nbaccel-metric``, ``nbaccel-metric-value``, ``nbaccel-compare``, ``nbaccel-curve``,
+``nbaccel-curve-legend``, ``nbaccel-memory-text``, ``nbaccel-memory``): a notebook's stored
+widget state lists it in ``_dom_classes``, and a browser test selects by it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class DashboardWidgets:
 
     >>> parts = DashboardWidgets([0, 1], 1, blocking=True, can_stop=False)
     >>> parts.rank_selector.value, parts.stop_button.disabled, sorted(parts.model_ids)[:3]
-    (1, True, ['curve', 'errors', 'header'])
+    (1, True, ['compare', 'curve', 'curve_legend'])
     """
 
     def __init__(self, ranks: list[int], rank: int, *, blocking: bool, can_stop: bool) -> None:
@@ -56,6 +56,18 @@ class DashboardWidgets:
             "nbaccel-metric",
         )
         self.metric_value = _tagged(widgets.HTML(), "nbaccel-metric-value")
+        # Earlier runs of the same runs_dir to overlay; hidden until there are some.
+        self.compare = _tagged(
+            widgets.SelectMultiple(
+                options=[],
+                description="compare with",
+                rows=3,
+                style={"description_width": "initial"},
+                layout=layout(width="360px", display="none"),
+            ),
+            "nbaccel-compare",
+        )
+        self.curve_legend = _tagged(widgets.HTML(), "nbaccel-curve-legend")
         # Images stay hidden until their first frame: an empty one shows as a broken image.
         self.curve = _tagged(_hidden_image(), "nbaccel-curve")
         self.memory_text = _tagged(widgets.HTML(), "nbaccel-memory-text")
@@ -68,7 +80,9 @@ class DashboardWidgets:
                     self.log,
                     self.errors,
                     widgets.HBox([self.metric_selector, self.metric_value]),
+                    self.compare,
                     self.curve,
+                    self.curve_legend,
                     self.memory_text,
                     self.memory,
                 ]
@@ -85,7 +99,7 @@ class DashboardWidgets:
     def model_ids(self) -> dict[str, str]:
         """Widget model ids by part, to find them in a notebook's stored widget state."""
         parts = "widget header rank_selector stop_button log errors metric_selector"
-        parts += " metric_value curve memory_text memory"
+        parts += " metric_value compare curve curve_legend memory_text memory"
         return {part: getattr(self, part).model_id for part in parts.split()}
 
 

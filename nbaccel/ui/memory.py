@@ -28,6 +28,8 @@ class MemorySource(Protocol):
 
     def read(self) -> list[MemoryReading]: ...
 
+    def worker_started(self, pid: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -48,6 +50,7 @@ class ProcessMemory:
         self._pids = pids
         self._proc_root = proc_root
         self._processes: dict[int, psutil.Process] = {}
+        self._at_start: dict[int, int] = {}  # pid -> RSS when the worker reported in
 
     def read(self) -> list[MemoryReading]:
         limit = int(psutil.virtual_memory().total)
@@ -57,12 +60,31 @@ class ProcessMemory:
             try:
                 process = self._processes.get(pid) or psutil.Process(pid)
                 self._processes[pid] = process
-                current = int(process.memory_info().rss)
+                # An exited worker not yet reaped (a zombie) has no memory left: its RSS
+                # reads 0, which is no reading of the run ("n/a" instead).
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    raise psutil.NoSuchProcess(pid)
+                current = int(process.memory_info().rss) or None
                 peak = self._high_water_mark(pid)
             except (psutil.Error, OSError):
                 self._processes.pop(pid, None)  # it has exited: "n/a" from now on
-            readings.append(MemoryReading(f"rank {rank} (cpu)", current, peak, limit))
+            baseline = min(self._at_start.values(), default=None)
+            readings.append(
+                MemoryReading(f"rank {rank} (cpu)", current, peak, limit, baseline=baseline)
+            )
         return readings
+
+    def worker_started(self, pid: int) -> None:
+        """Read a worker's RSS now, as it reports itself started: it has just been forked
+        from nbaccel's helper (Python, torch and nbaccel imported) and has not loaded the
+        function yet, so this is what a bare worker holds. (Not the helper's own RSS: a
+        forked child maps the helper's file-backed pages only as it touches them, so the
+        helper reads ~70 MiB more than a fresh worker, measured.) Called on the run's pump
+        thread with the ``WorkerStarted`` event: one ``/proc`` read."""
+        try:
+            self._at_start[pid] = int(psutil.Process(pid).memory_info().rss)
+        except (psutil.Error, OSError):
+            pass  # already gone: no baseline from it
 
     def _high_water_mark(self, pid: int) -> int | None:
         try:
@@ -123,6 +145,10 @@ class NvmlMemory:
             except Exception:  # noqa: BLE001 - a GPU that stops answering reads "n/a"
                 readings.append(MemoryReading(device, None, None, None))
         return readings
+
+    def worker_started(self, pid: int) -> None:
+        if self._fallback is not None:
+            self._fallback.worker_started(pid)
 
     def _start(self) -> None:
         try:
@@ -200,6 +226,9 @@ class ReportedMemory:
                 )
         return readings
 
+    def worker_started(self, pid: int) -> None:
+        pass  # the workers report their device memory themselves
+
     def close(self) -> None:
         pass
 
@@ -237,8 +266,8 @@ class MemorySampler:
     >>> got = []
     >>> sampler = MemorySampler(ReportedMemory(1), got.append, interval=60)
     >>> sampler.start(); sampler.stop()
-    >>> got
-    [[MemoryReading(device='rank 0 (xla)', current=None, peak=None, limit=None)]]
+    >>> [(r.device, r.current, r.peak, r.limit) for r in got[0]]
+    [('rank 0 (xla)', None, None, None)]
     """
 
     def __init__(
@@ -264,6 +293,13 @@ class MemorySampler:
         if readings:
             self._on_readings(readings)
         return readings
+
+    def worker_started(self, pid: int) -> None:
+        """A worker reported itself started: let the source take its start reading, then
+        read every worker at once (a run shorter than the interval would otherwise end with
+        no reading at all)."""
+        self._source.worker_started(pid)
+        self.wake()
 
     def wake(self) -> None:
         """Read now rather than at the next interval (a worker just started: a run shorter

@@ -51,19 +51,31 @@ def _thin(steps: Sequence[float], values: Sequence[float]) -> tuple[list[float],
     return xs, ys
 
 
+Overlay = tuple[str, Sequence[float], Sequence[float]]  # (label, steps, values)
+OVERLAY_COLOURS = ("tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink")
+
+
 class CurvePlot:
-    """One metric against step, blitted onto a cached background.
+    """One metric against step, blitted onto a cached background; earlier runs as overlays.
 
     The latest value is not drawn as text: laying out a text artist cost ~3 ms a frame,
     as much as the rest of the frame; the dashboard prints it beside the image instead.
+    Overlays (earlier runs' series) do not change, so they are drawn into the background.
+
+    The x axis ends where the run says it will (``total``: a ``total_steps`` metric or the
+    tqdm bar's total); without one it grows with the steps (by half again, at least 8 steps,
+    so full redraws stay rare); the final frame (``final=True``) fits the steps logged.
 
     >>> plot = CurvePlot()
     >>> png = plot.render("loss", [0, 1, 2], [2.0, 1.5, 1.2])
-    >>> png[:8] == b"\\x89PNG\\r\\n\\x1a\\n", plot.full_draws
-    (True, 1)
+    >>> png[:8] == b"\\x89PNG\\r\\n\\x1a\\n", plot.full_draws, plot.xlim
+    (True, 1, (0.0, 10.0))
     >>> _ = plot.render("loss", [0, 1, 2, 3], [2.0, 1.5, 1.2, 1.1])
     >>> plot.full_draws  # the new point fits the axes: only the line was drawn
     1
+    >>> _ = plot.render("loss", [0, 1, 2, 3], [2.0, 1.5, 1.2, 1.1], final=True)
+    >>> plot.xlim
+    (0.0, 3.0)
     """
 
     def __init__(self, width_px: int = 640, height_px: int = 240, dpi: int = 80) -> None:
@@ -73,9 +85,21 @@ class CurvePlot:
         self._axes.tick_params(labelsize=_FONT)
         self._axes.grid(True, alpha=0.3)
         (self._line,) = self._axes.plot([], [], color="tab:blue", lw=1.2, animated=True)
-        self._key: tuple[str, tuple[float, float], tuple[float, float]] | None = None
+        self._overlay_lines: list[Any] = []
+        self._key: tuple[Any, ...] | None = None
         self._background: Any = None
         self.full_draws = 0
+
+    @property
+    def xlim(self) -> tuple[float, float]:
+        """The x axis's limits now (tests, and the browser test's check of the axis)."""
+        low, high = self._axes.get_xlim()
+        return float(low), float(high)
+
+    @property
+    def ylim(self) -> tuple[float, float]:
+        low, high = self._axes.get_ylim()
+        return float(low), float(high)
 
     def render(
         self,
@@ -83,43 +107,80 @@ class CurvePlot:
         steps: Sequence[float],
         values: Sequence[float],
         total: float | None = None,
+        *,
+        final: bool = False,
+        overlays: Sequence[Overlay] = (),
     ) -> bytes:
-        """A PNG of ``values`` against ``steps`` titled ``name``; ``total``: the last step."""
+        """A PNG of ``values`` against ``steps`` titled ``name``; ``total``: the last step
+        if known; ``final``: the run ended (fit the axes to the data); ``overlays``: earlier
+        runs' series of the same metric, drawn thinner in other colours."""
         finite = [v for v in values if math.isfinite(v)]
-        if self._needs_axes(name, steps, finite):
-            self._set_axes(name, steps, finite, total)
+        for _, _, other in overlays:
+            finite += [v for v in other if math.isfinite(v)]
+        shape = (name, final, total, tuple((label, len(xs)) for label, xs, _ in overlays))
+        if self._needs_axes(shape, steps, overlays, finite):
+            self._set_axes(shape, steps, finite, total, overlays)
         self._canvas.restore_region(self._background)
         xs, ys = _thin(steps, values) if steps else ([], [])
         self._line.set_data(xs, ys)
         self._axes.draw_artist(self._line)
         return _png(self._canvas)
 
-    def _needs_axes(self, name: str, steps: Sequence[float], finite: list[float]) -> bool:
-        if self._key is None or self._key[0] != name:
+    def _needs_axes(
+        self,
+        shape: tuple[Any, ...],
+        steps: Sequence[float],
+        overlays: Sequence[Overlay],
+        finite: list[float],
+    ) -> bool:
+        if self._key is None or self._key[0] != shape:
             return True
         x1, (y0, y1) = self._key[1][1], self._key[2]
         if not steps or not finite:
             return False
         # Only when the data leaves the axes: the limits have headroom, so that is rare.
-        return steps[-1] > x1 or min(finite) < y0 or max(finite) > y1
+        return bool(steps[-1] > x1 or min(finite) < y0 or max(finite) > y1)
 
     def _set_axes(
-        self, name: str, steps: Sequence[float], finite: list[float], total: float | None
+        self,
+        shape: tuple[Any, ...],
+        steps: Sequence[float],
+        finite: list[float],
+        total: float | None,
+        overlays: Sequence[Overlay],
     ) -> None:
-        last = float(steps[-1]) if steps else 1.0
-        # A known total fixes the x axis; else doubling keeps full redraws (40-120 ms each,
-        # measured) to about log2(steps / 100) per run.
-        end = float(total) if total and total > last else max(last * 2.0, last + 100.0)
-        xlim = (float(steps[0]) if steps else 0.0, end)
+        name, final = shape[0], shape[1]
+        starts = [float(steps[0])] if steps else []
+        ends = [float(steps[-1])] if steps else []
+        for _, xs, _ in overlays:
+            starts += [float(xs[0])] if len(xs) else []
+            ends += [float(xs[-1])] if len(xs) else []
+        first = min(starts, default=0.0)
+        last = max(ends, default=1.0)
+        if final:
+            end = last if last > first else first + 1.0
+        elif total and total > last:
+            end = float(total)
+        else:
+            end = last + max(last * 0.5, 8.0)
+        xlim = (first, end)
         low, high = (min(finite), max(finite)) if finite else (0.0, 1.0)
-        pad = (high - low) * 0.25 or abs(high) * 0.1 or 1.0
+        pad = (high - low) * (0.05 if final else 0.25) or abs(high) * 0.1 or 1.0
         ylim = (low - pad, high + pad)
-        self._axes.set_xlim(*xlim)
-        self._axes.set_ylim(*ylim)
-        self._axes.set_title(name, fontsize=_FONT + 1, loc="left")
+        axes = self._axes
+        for line in self._overlay_lines:
+            line.remove()
+        self._overlay_lines = []
+        for index, (label, xs, ys) in enumerate(overlays):
+            colour = OVERLAY_COLOURS[index % len(OVERLAY_COLOURS)]
+            (line,) = axes.plot(*_thin(xs, ys), color=colour, lw=1.0, alpha=0.8, label=label)
+            self._overlay_lines.append(line)
+        axes.set_xlim(*xlim)
+        axes.set_ylim(*ylim)
+        axes.set_title(name, fontsize=_FONT + 1, loc="left")
         self._canvas.draw()  # the animated line is left out of the background
         self._background = self._canvas.copy_from_bbox(self._figure.bbox)
-        self._key = (name, xlim, ylim)
+        self._key = (shape, xlim, ylim)
         self.full_draws += 1
 
 
@@ -141,31 +202,43 @@ class MemoryBars:
         self._figure, self._canvas = _figure(width_px, height_px, dpi)
         self._axes = self._figure.add_subplot()
         self._axes.tick_params(labelsize=_FONT)
-        self._key: tuple[tuple[str, ...], tuple[int | None, ...], float] | None = None
+        self._key: tuple[Any, ...] | None = None
         self._background: Any = None
         self._bars: list[Any] = []
+        self._texts: list[Any] = []  # "peak · last" over each bar once the run ended
         (self._peaks,) = self._axes.plot([], [], color="black", lw=2.5, animated=True)
         self.full_draws = 0
 
-    def render(self, readings: Sequence[MemoryReading]) -> bytes:
-        """A PNG of the readings (``current``/``peak`` None: drawn as "n/a")."""
+    def render(self, readings: Sequence[MemoryReading], *, ended: bool = False) -> bytes:
+        """A PNG of the readings (``current``/``peak`` None: drawn as "n/a"). Once the run
+        ``ended`` its workers are gone, so each bar is the device's peak (what the run
+        needed) and the last reading is written beside it."""
         xmax = self._scale(readings)
-        key = (tuple(r.device for r in readings), tuple(r.limit for r in readings), xmax)
+        key: tuple[Any, ...] = (
+            tuple(r.device for r in readings),
+            tuple(r.limit for r in readings),
+            xmax,
+        )
+        if ended:
+            key += (tuple((r.peak, r.last) for r in readings),)  # drawn as text: static
         if key != self._key:
-            self._set_axes(readings, xmax)
+            self._set_axes(readings, xmax, ended=ended)
             self._key = key
         self._canvas.restore_region(self._background)
         unit = _unit(xmax)[1]
         xs: list[float] = []
         ys: list[float] = []
         for index, (reading, bar) in enumerate(zip(readings, self._bars, strict=True)):
-            bar.set_width((reading.current or 0) / unit)
+            shown = reading.peak if ended else reading.current
+            bar.set_width((shown or 0) / unit)
             self._axes.draw_artist(bar)
             if reading.peak is not None:
                 xs += [reading.peak / unit] * 2 + [math.nan]
                 ys += [index - 0.4, index + 0.4, math.nan]
         self._peaks.set_data(xs, ys)
         self._axes.draw_artist(self._peaks)
+        for text in self._texts:
+            self._axes.draw_artist(text)
         return _png(self._canvas)
 
     @staticmethod
@@ -180,10 +253,13 @@ class MemoryBars:
         # redraw, measured) about log2 times, not at every 30 % of growth.
         return float(2 ** math.ceil(math.log2(largest * 1.2)))
 
-    def _set_axes(self, readings: Sequence[MemoryReading], xmax: float) -> None:
+    def _set_axes(
+        self, readings: Sequence[MemoryReading], xmax: float, *, ended: bool = False
+    ) -> None:
         unit_name, unit = _unit(xmax)
         axes = self._axes
         axes.clear()
+        self._texts = []
         axes.set_xlim(0, xmax / unit)
         axes.set_xlabel(unit_name, fontsize=_FONT)
         axes.set_ylim(len(readings) - 0.5, -0.5)
@@ -195,7 +271,21 @@ class MemoryBars:
             labels.append(label)
             if reading.limit is not None:
                 axes.barh(index, min(reading.limit, xmax) / unit, color="0.9", height=0.8)
-            if reading.current is None:
+            if ended:
+                peak, last = size_text(reading.peak), size_text(reading.last)
+                wide = bool(reading.peak) and (reading.peak or 0) > 0.3 * xmax
+                self._texts.append(  # drawn over the bar in render (animated, like it)
+                    axes.text(
+                        0.01 * xmax / unit,
+                        index,
+                        f"peak {peak} · last {last}",
+                        va="center",
+                        fontsize=_FONT,
+                        color="white" if wide else "black",
+                        animated=True,
+                    )
+                )
+            elif reading.current is None:
                 axes.text(0.01 * xmax / unit, index, "n/a", va="center", fontsize=_FONT)
         axes.set_yticks(range(len(readings)), labels, fontsize=_FONT)
         self._bars = list(axes.barh(range(len(readings)), 0, color="tab:green", height=0.6))

@@ -59,7 +59,8 @@ class DashboardView:
     """The dashboard's parts in the launch cell's output, read from the DOM."""
 
     def __init__(self, lab_page: LabPage, cell: int) -> None:
-        self.output = lab_page.cell(cell).locator(".jp-OutputArea")
+        # The cell's own output area (a panel's Output widget nests another one in it).
+        self.output = lab_page.cell(cell).locator(".jp-OutputArea.jp-Cell-outputArea")
         self.root = self.output.locator(".nbaccel-dashboard")
         self.header = self.root.locator(".nbaccel-header")
         self.log = self.root.locator(".nbaccel-log")
@@ -142,4 +143,129 @@ def test_dashboard_updates_live_and_leaves_a_summary(lab_page: LabPage) -> None:
     assert not [word for word in BROKEN if word in text], text
     lab_page.screenshot("final")
     lab_page.screenshot("final-output", view.output)  # the whole output, summary included
+    lab_page.mark("end")
+
+
+# ----- notebook 02's panel and the dashboard it launches (issue 16, parts 3 and 4) ---------
+PANEL_SETUP = textwrap.dedent("""
+    import tempfile
+
+    import nbaccel
+    from nbaccel.ui.attach import dashboard_for
+
+    RUNS = tempfile.mkdtemp(prefix="nbaccel-runs-")  # both runs here: the second compares
+    WIDTH, BLOCKS = 256, 4
+    NUM_PARAMS = BLOCKS * (WIDTH * WIDTH + WIDTH) + (WIDTH + 1)
+
+
+    def train(steps=30, lr=1e-3):  # notebook 02's function (lr: the runs differ)
+        import torch
+        from torch import nn
+
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(BLOCKS)]
+        model = nn.Sequential(*layers, nn.Linear(WIDTH, 1))
+        acc = nbaccel.Accelerator()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        model, optimizer = acc.prepare(model, optimizer)
+        x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(acc.process_index))
+        for step in range(steps):
+            loss = nn.functional.mse_loss(model(x), x[:, :1])
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            acc.log({"loss": loss.item()})
+        acc.print(f"final loss {loss.item():.5f}")
+    """).strip()
+PANEL = (
+    "panel = nbaccel.ConfigPanel(train, num_processes=2, num_params=NUM_PARAMS, runs_dir=RUNS)\n"
+    "panel"
+)
+# The earlier run to compare with: blocking, as notebook 02's second launch.
+EARLIER = (
+    "earlier = nbaccel.notebook_launcher(train, args=(30, 1e-2), config=panel.config, "
+    "dashboard='text')"
+)
+LATER = textwrap.dedent("""
+    panel.launch_button.click()  # what a click on Launch does: a non-blocking run
+    panel.run.wait(120)
+    dash = dashboard_for(panel.run)
+    assert dash is not None and dash.wait_finished(30)
+    steps = [record["step"] for record in panel.run.metrics]
+    print(f"steps {steps[0]}..{steps[-1]}; loss axis {dash.curve_xlim}")
+    """).strip()
+
+
+def test_the_panel_is_grouped_and_the_dashboard_sized_from_the_run(lab_page: LabPage) -> None:
+    cells = [PANEL_SETUP, PANEL, EARLIER, LATER]
+    notebook = lab_page.lab.write_notebook("panel.ipynb", cells)
+    lab_page.open(notebook)
+    lab_page.run_all()
+    panel = lab_page.cell(1).locator(".nbaccel-config-panel")
+    lab_page.wait_for_output(1, panel, 60)
+
+    # The form in groups, as the wizard asks; "advanced" collapsed; nothing for a TPU here.
+    titles = ["Processes and machines", "Precision", "Strategy and sharding"]
+    titles += ["Training loop", "Logging", "Advanced"]
+    groups = panel.locator(".nbaccel-panel-group")
+    wait_until(lambda: groups.count() == 6, 30, "the six groups")
+    shown_titles = [text.strip() for text in groups.all_inner_texts()]
+    for title, text in zip(titles, shown_titles, strict=True):
+        assert text.startswith(title), (title, text)
+    assert panel.locator(".nbaccel-field-num_processes").is_visible()
+    assert not panel.locator(".nbaccel-field-collective_timeout").is_visible()  # collapsed
+    assert not panel.locator(".nbaccel-field-xla_start_method").is_visible()  # no TPU
+    assert "xla_start_method" in panel.locator(".nbaccel-panel-hidden-note").inner_text()
+    height = panel.evaluate("el => el.getBoundingClientRect().height")
+    lab_page.mark(f"panel {height:.0f} px tall")
+    lab_page.screenshot("panel", panel)
+    panel.locator(".nbaccel-group-advanced .jupyter-widget-Collapse-header").click()
+    advanced_field = panel.locator(".nbaccel-field-collective_timeout")
+    wait_until(advanced_field.is_visible, 10, "the advanced group to open")
+    lab_page.screenshot("panel-advanced-open", panel.locator(".nbaccel-group-advanced"))
+
+    # The second run, launched from the panel, after the first (blocking) one.
+    view = DashboardView(lab_page, 1)
+    lab_page.wait_for_output(1, view.root, 180)
+    printed = lab_page.cell(3).locator(".jp-OutputArea-output", has_text="loss axis")
+    lab_page.wait_for_output(3, printed, 180)
+    lab_page.mark("both runs ended")
+    # The loss axis spans the steps logged (0..29), not a guessed total.
+    match = re.search(
+        r"steps (\d+)\.\.(\d+); loss axis \(([\d.]+), ([\d.]+)\)", printed.inner_text()
+    )
+    assert match, printed.inner_text()
+    first, last, low, high = (float(group) for group in match.groups())
+    assert (low, high) == (first, last) and last - first == 29, printed.inner_text()
+    assert view.header.inner_text().startswith("succeeded")
+
+    # The log box as tall as its lines (a line is 15.6 px, plus 10 px of padding and border).
+    log_lines = len(view.log.inner_text().strip().splitlines())
+    log_box = view.log.locator("div").first
+    log_px = log_box.evaluate("el => el.getBoundingClientRect().height")
+    assert abs(log_px - (min(log_lines, 12) * 15.6 + 10)) < 4, (log_lines, log_px)
+    lab_page.mark(f"log box {log_px:.0f} px for {log_lines} lines")
+
+    # Memory after the end: peak as the bar, the last reading as text, what each covers.
+    memory_text = view.root.locator(".nbaccel-memory-text").inner_text()
+    assert "peak (the bar)" in memory_text and " last" in memory_text, memory_text
+    assert "0 B last" not in memory_text, memory_text
+    assert "RSS = the whole worker process" in memory_text, memory_text
+    assert re.search(r"A bare worker \(Python \+ torch, before the function\) holds", memory_text)
+    assert "model states only (not activations, not the runtime)" in memory_text, memory_text
+    lab_page.screenshot("dashboard-ended", view.root)
+
+    # Compare runs: pick the earlier run; the legend names it, and the curve is redrawn.
+    picker = view.root.locator(".nbaccel-compare select")
+    wait_until(lambda: picker.locator("option").count() == 1, 30, "the earlier run listed")
+    earlier_id = picker.locator("option").first.inner_text().strip()
+    before = view.curve.get_attribute("src")
+    picker.select_option(label=earlier_id)
+    legend = view.root.locator(".nbaccel-curve-legend")
+    wait_until(lambda: earlier_id in legend.inner_text(), 30, "the legend to name the earlier run")
+    assert "(this run)" in legend.inner_text()
+    wait_until(lambda: view.curve.get_attribute("src") != before, 30, "the curve with the overlay")
+    text = view.output_text()
+    assert not [word for word in BROKEN if word in text], text
+    lab_page.screenshot("dashboard-compare", view.root)
     lab_page.mark("end")

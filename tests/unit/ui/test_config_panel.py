@@ -30,6 +30,7 @@ from nbaccel.errors import ConfigError
 from nbaccel.events import RunEnded, RunState
 from nbaccel.memory_estimate import estimate_for_config
 from nbaccel.ui import config_widgets
+from nbaccel.ui.config_groups import group_of
 from nbaccel.ui.config_panel import ConfigPanel
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # no GPUs, no HOME: no default config file is read
@@ -74,10 +75,14 @@ def test_every_schema_option_has_a_widget_chosen_by_its_type_with_its_help() -> 
         assert any(
             html.escape(opt.help) in getattr(child, "value", "") for child in row.box.children
         ), opt.name
-        # the row belongs to the displayed tree (top level or its section's box)
+        # the row belongs to the displayed tree: its group's box, or its section's inside it
         section = opt.path.split(".")[0] if "." in opt.path else None
-        parent = panel.section_boxes[section] if section else panel.widget
+        group = panel.group_boxes[group_of(opt).key]
+        assert group in panel.widget.children
+        parent = panel.section_boxes[section] if section else group.children[0]
         assert row.box in parent.children
+        if section:
+            assert parent in group.children[0].children
     optional = [opt for opt in options() if opt.optional and opt.choices]
     for opt in optional:
         assert ("none", None) in panel.inputs[opt.name].options
@@ -100,6 +105,7 @@ def test_hidden_rows_follow_the_wizards_applies_when() -> None:
     values = {
         name: config_widgets.read_input(row.option, row.input) for name, row in panel.rows.items()
     }
+    panel.show_all.value = True  # the wizard knows nothing of this machine
     for opt in options():
         assert shown(panel.rows[opt.name].box) == applies(opt.path, values), opt.name
 

@@ -184,6 +184,10 @@ def test_memory_peaks_are_the_highest_seen() -> None:
         MemoryReading("cuda:0", 3, 5, 10),
         MemoryReading("xla", None, None, None),
     ]
+    assert model.memory[0].last == 3
+    model.set_memory([MemoryReading("cuda:0", None, None, 10)])  # the worker has gone
+    assert model.memory[0] == MemoryReading("cuda:0", None, 5, 10)
+    assert model.memory[0].last == 3  # the last known reading is kept for the end
 
 
 # ----- the widgets --------------------------------------------------------------------
@@ -521,10 +525,9 @@ def test_the_estimate_for_the_prepared_model_is_shown_next_to_the_readings() -> 
     assert model.estimate is not None
     assert model.estimate.total == 8 * 10**6  # ZeRO-3, AdamW, fp32, 2 ranks: 16 B / 2
     model.set_memory([MemoryReading("rank 0", 2**30, 2**30, 2**34)])
-    assert "estimate (model states, per device): 7.63 MiB" in memory_html(
-        model.memory, estimate=model.estimate
-    )
-    assert "estimate (model states, per device)" in summary_text(model)
+    text = memory_html(model.memory, estimate=model.estimate)
+    assert "model states only (not activations, not the runtime): 7.63 MiB per device" in text
+    assert "model states only" in summary_text(model)
 
 
 # ----- widget lifetime in a long-lived kernel --------------------------------------------

@@ -1,0 +1,50 @@
+"""The dashboard's place in the cell: its widgets, then two outputs reserved for the static
+summary (a text and a PNG) that a saved notebook keeps. Split from ``dashboard``."""
+
+from __future__ import annotations
+
+import base64
+import html
+from typing import Any
+
+
+class CellOutput:
+    """``show()`` and ``_publish_summary()`` of ``Dashboard`` (which sets ``widget``,
+    ``summary_text``, ``summary_png`` and ``_write_text``)."""
+
+    widget: Any
+    summary_text: str
+    summary_png: bytes | None
+    _summary_outputs: tuple[Any, Any] | None = None
+
+    def _write_text(self) -> None:
+        raise NotImplementedError
+
+    def show(self) -> None:
+        """Display the widgets in the current cell, and reserve two outputs for the summary."""
+        from IPython import display as ipython_display
+
+        display: Any = ipython_display.display  # untyped in IPython
+        self._write_text()  # the header at once; the UI thread takes over when the run starts
+        bundle = dict(self.widget._repr_mimebundle_())
+        # What a notebook viewer without the widget state shows instead of a VBox repr.
+        bundle["text/plain"] = "nbaccel live dashboard (its final summary follows)"
+        display(bundle, raw=True)
+        # Outputs with a display_id, filled at the end with update_display_data: they stay
+        # in this cell (and in the saved notebook) wherever the kernel is by then.
+        self._summary_outputs = (
+            display({"text/plain": ""}, raw=True, display_id=True),
+            display({"text/plain": ""}, raw=True, display_id=True),
+        )
+
+    def _publish_summary(self) -> None:
+        if self._summary_outputs is None:
+            return
+        text_output, image_output = self._summary_outputs
+        text = self.summary_text
+        text_output.update(
+            {"text/plain": text, "text/html": f"<pre>{html.escape(text)}</pre>"}, raw=True
+        )
+        if self.summary_png is not None:
+            image = base64.b64encode(self.summary_png).decode("ascii")
+            image_output.update({"image/png": image, "text/plain": text.split("\n")[0]}, raw=True)
