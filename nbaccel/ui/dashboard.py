@@ -334,6 +334,7 @@ class Dashboard(CellOutput, DashboardWidgets):
             self.earlier = EarlierRuns(model.run_dir)
             listed = earlier_runs(model.run_dir)
             self._set("compare_options", self.compare, "options", tuple(listed))
+            self._set("compare_rows", self.compare, "rows", min(max(len(listed), 1), 5))
             self._set("compare_shown", self.compare.layout, "display", None if listed else "none")
         done = model.state.done
         inert = done or self._stopping or self._blocking or self._stop is None

@@ -225,7 +225,7 @@ def test_earlier_runs_are_listed_newest_first_and_overlaid(tmp_path: Path) -> No
     log_metrics(dash, 3)
     dash.tick(force=True)
     assert dash.compare.options == ("20260102-000000-bbbbbb", "20260101-000000-aaaaaa")
-    assert dash.compare.layout.display is None
+    assert dash.compare.layout.display is None and dash.compare.rows == 2
     assert dash.curve_legend.value == ""
     dash.compare.value = ("20260102-000000-bbbbbb",)  # what a pick in the browser does
     dash.tick(force=True)
