@@ -12,7 +12,15 @@ cross-entropy on fixed random data) is trained on 2 CPU processes (gloo) started
   ``acc.backward``, ``opt.step``/``zero_grad`` and ``acc.log({"loss": loss.item()})`` every step,
   which sends a metric to the parent (``run.metrics``); **nbaccel, no log** leaves ``log`` out;
 * **accelerate**: the same code with ``accelerate.Accelerator()`` (the worker checks that it
-  reports MULTI_CPU with 2 processes and the launch's accumulation steps).
+  reports MULTI_CPU with 2 processes and the launch's accumulation steps);
+* **nbaccel, breakdown off**: **nbaccel** with the step-time breakdown switched off
+  (``acc.strategy.step_timer.enabled = False``); it is on in every launched worker, so the
+  other nbaccel rows include it. The report gives its cost two ways: the paired median of
+  (on - off) / off per turn, and directly: rank 0 runs the marks of one step (a batch
+  requested and handed out, ``backward`` with the reduction watch, clipping, ``step``,
+  ``zero_grad``) around a tiny backward on a timer switched on and off, in thread CPU time
+  (min of 9 runs of 2,000 steps), as a share of the median nbaccel step. Goal <= 1 % of a
+  step (issue 16).
 
 Gradient accumulation 4 (the launch's ``gradient_accumulation_steps``; steps are micro-steps)
 is measured with and without DDP's ``no_sync`` on the 3 micro-steps that do not step: raw DDP
@@ -57,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 GOAL = 0.98
+BREAKDOWN_GOAL = 0.01  # the step-time breakdown costs at most 1 % of a step
 WORLD_SIZE = 2
 IN, CLASSES, BATCH = 256, 10, 32
 # name -> (framework, accumulation steps, no_sync on non-stepping micro-steps, log every step)
@@ -70,7 +79,9 @@ VARIANTS: dict[str, tuple[str, int, bool, bool]] = {
     "nbaccel, accumulate() (syncs)": ("nbaccel", 4, False, True),
     "nbaccel, accumulate(model)": ("nbaccel", 4, True, True),
     "accelerate, accumulate(model)": ("accelerate", 4, True, True),
+    "nbaccel, breakdown off": ("nbaccel", 1, False, True),
 }
+BREAKDOWN_OFF = {"nbaccel, breakdown off"}  # variants that switch the step timer off
 REFERENCE = {1: "raw DDP", 4: "raw DDP, no_sync"}
 NO_SYNC_PAIRS = (
     ("raw DDP, sync every micro-step", "raw DDP, no_sync"),
@@ -115,6 +126,10 @@ def make_variant(name: str, data: Any, hidden: int) -> tuple[Step, Any, str]:
     else:
         from accelerate import Accelerator  # type: ignore[import-untyped]
     acc = Accelerator()  # accumulation steps come from the launch, as in a notebook
+    if name in BREAKDOWN_OFF:
+        acc.strategy.step_timer.enabled = False
+    elif framework == "nbaccel" and not acc.strategy.step_timer.enabled:
+        raise RuntimeError(f"{name}: the step-time breakdown should be on in a launched worker")
     kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
     seen = (kind, acc.num_processes, acc.gradient_accumulation_steps)
     if seen != ("MULTI_CPU", WORLD_SIZE, accumulation):
@@ -150,6 +165,7 @@ def train(names: list[str], steps: int, warmup: int, block: int, hidden: int) ->
     built = {name: make_variant(name, data, hidden) for name in names}
     done = dict.fromkeys(names, 0)
     seconds: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}  # rank 0's thread CPU time
 
     def run(name: str, count: int) -> None:
         step, batches = built[name][:2]
@@ -160,15 +176,51 @@ def train(names: list[str], steps: int, warmup: int, block: int, hidden: int) ->
 
     for name in names:
         run(name, warmup)
+    cost = marks_cost() if any(name in BREAKDOWN_OFF for name in names) else None
     for turn in range(steps // block):
         shift = turn % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             run(name, block)
+            cpu[name].append(time.thread_time() - cpu_started)
             dist.barrier()
             seconds[name].append(time.perf_counter() - started)
-    return {"seconds": seconds, "info": {name: built[name][2] for name in names}}
+    info = {name: built[name][2] for name in names}
+    return {"seconds": seconds, "cpu": cpu, "info": info, "marks_us": cost}
+
+
+def marks_cost(runs: int = 9, steps: int = 2000) -> float:
+    """Microseconds of CPU time the step timer's marks add to one DDP step (see above)."""
+    import torch
+
+    from nbaccel.accel.step_timing import BACKWARD, OPTIMIZER, StepTimer
+
+    batch = (torch.zeros(BATCH, IN), torch.zeros(BATCH, dtype=torch.long))
+    weight = torch.ones(4, requires_grad=True)
+
+    def per_step(enabled: bool) -> float:
+        timer = StepTimer(enabled=enabled, send=lambda _window: None, distributed=True)
+        loader = object()
+        started = time.thread_time()
+        timer.begin_data(loader)
+        for _ in range(steps):
+            timer.end_data(batch)
+            loss = (weight * 2).sum()
+            previous = timer.enter(BACKWARD)
+            if previous is not None:
+                timer.watch_reduction(loss)
+            loss.backward()
+            timer.leave(previous)
+            for _call in range(3):  # clipping, step, zero_grad
+                timer.leave(timer.enter(OPTIMIZER))
+            timer.begin_data(loader)
+        timer.loop_ended(loader)
+        return (time.thread_time() - started) / steps * 1e6
+
+    on = min(per_step(True) for _ in range(runs))
+    off = min(per_step(False) for _ in range(runs))
+    return on - off
 
 
 # --------------------------------------------------------------------------- driver
@@ -180,6 +232,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
 
     seconds: dict[str, list[list[float]]] = {name: [] for name in args.variants}
     info: dict[str, str] = {}
+    marks_us: list[float] = []
+    cpu: dict[str, list[list[float]]] = {name: [] for name in args.variants}
     sections = sorted({VARIANTS[name][1] for name in args.variants})
     with tempfile.TemporaryDirectory(prefix="step_overhead-") as runs_dir:
         for repeat in range(args.repeats):
@@ -200,8 +254,11 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 for name in names:
                     seconds[name].append(result["seconds"][name])
+                    cpu[name].append(result["cpu"][name])
                 info.update(result["info"])
-    return {"seconds": seconds, "info": info}
+                if result["marks_us"] is not None:
+                    marks_us.append(result["marks_us"])
+    return {"seconds": seconds, "cpu": cpu, "info": info, "marks_us": marks_us}
 
 
 def paired(a: list[list[float]], b: list[list[float]], how: Callable[..., float]) -> float:
@@ -246,6 +303,46 @@ def format_report(data: dict[str, Any], steps: int, block: int) -> list[str]:
         ratio = paired(seconds["raw DDP"], seconds["nbaccel"], lambda raw, ours: raw / ours)
         verdict = "PASS" if ratio >= GOAL else "MISS"
         lines.append(f"goal: nbaccel >= {GOAL} x raw DDP steps/s: {ratio:.3f}  {verdict}")
+    lines += breakdown_report(seconds, data.get("cpu", {}), block, data.get("marks_us", []))
+    return lines
+
+
+def breakdown_report(
+    seconds: dict[str, list[list[float]]],
+    cpu: dict[str, list[list[float]]],
+    block: int,
+    marks_us: list[float],
+) -> list[str]:
+    """The step-time breakdown's cost (nbaccel on vs off: paired turns in wall and in rank
+    0's CPU time, and the marks measured directly), and nbaccel with it against Accelerate."""
+    on, off = seconds.get("nbaccel"), seconds.get("nbaccel, breakdown off")
+    if on is None or off is None:
+        return []
+    cost = paired(on, off, lambda with_, without: with_ / without - 1)
+    extra = paired(on, off, lambda with_, without: (with_ - without) / block * 1e6)
+    step_us = statistics.median(itertools.chain(*on)) / block * 1e6
+    direct = statistics.median(marks_us) if marks_us else float("nan")
+    verdict = "PASS" if direct / step_us <= BREAKDOWN_GOAL else "MISS"
+    lines = [
+        f"step-time breakdown, paired turns on vs off: {extra:+.0f} us/step, "
+        f"{100 * cost:+.2f} % of a step",
+    ]
+    cpu_on, cpu_off = cpu.get("nbaccel"), cpu.get("nbaccel, breakdown off")
+    if cpu_on and cpu_off:
+        cpu_cost = paired(cpu_on, cpu_off, lambda with_, without: with_ / without - 1)
+        cpu_extra = paired(cpu_on, cpu_off, lambda a, b: (a - b) / block * 1e6)
+        lines.append(
+            f"step-time breakdown, paired turns on vs off in rank 0's CPU time: "
+            f"{cpu_extra:+.0f} us/step, {100 * cpu_cost:+.2f} %"
+        )
+    lines += [
+        f"step-time breakdown, its marks measured directly: {direct:.1f} us of CPU per step, "
+        f"{100 * direct / step_us:.2f} % of nbaccel's median step ({step_us:.0f} us); "
+        f"goal <= {100 * BREAKDOWN_GOAL:.0f} %  {verdict}",
+    ]
+    if "accelerate" in seconds:
+        ahead = paired(seconds["accelerate"], on, lambda theirs, ours: theirs / ours)
+        lines.append(f"nbaccel with the breakdown vs accelerate: {ahead:.3f} x steps/s")
     return lines
 
 

@@ -111,6 +111,31 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class StepBreakdown:
+    """A rank's training steps over one window (about 0.5 s): where their time went.
+
+    ``phases``: seconds per phase (data, forward, backward, communication, optimizer,
+    other; see ``nbaccel.accel.step_timing``), summed over the ``steps``; together they are
+    the steps' time. ``samples``/``tokens``: what the steps took (``tokens``: positions of
+    ``input_ids``, None without them). ``peak_memory``: bytes per phase where the device
+    reports it (CUDA), else None.
+    """
+
+    rank: int
+    steps: int
+    phases: Mapping[str, float]
+    samples: int
+    tokens: int | None
+    peak_memory: Mapping[str, int] | None
+    time: float
+
+    @property
+    def seconds(self) -> float:
+        """The steps' time: the sum of the phases."""
+        return sum(self.phases.values())
+
+
+@dataclass(frozen=True)
 class RankExited:
     """A worker process ended: exit code, or minus the signal number that killed it."""
 
@@ -135,6 +160,7 @@ Event = (
     | LogLine
     | Metric
     | DeviceMemory
+    | StepBreakdown
     | RankExited
     | RunEnded
 )

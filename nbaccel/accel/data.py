@@ -37,6 +37,7 @@ from nbaccel.accel import dispatch
 from nbaccel.accel.batches import batch_len, send_to_device, split_batch
 from nbaccel.accel.optim import GradientState
 from nbaccel.accel.sharded_sampler import ShardedBatchSampler, ShardPlan
+from nbaccel.accel.step_timing import StepTimer, disabled_timer
 
 __all__ = [
     "PreparedDataLoader",
@@ -70,7 +71,9 @@ class PreparedDataLoader(DataLoader[Any]):
         non_blocking: bool = False,
         dispatch: bool = False,
         before_iteration: Callable[[], None] | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
+        self.timer = timer if timer is not None else disabled_timer()  # the step breakdown
         source: Any = loader.batch_sampler
         if source is None:
             raise TypeError(
@@ -129,6 +132,7 @@ class PreparedDataLoader(DataLoader[Any]):
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self.timer.begin_data(self)  # the first batch's wait includes starting the pass
         if self.before_iteration is not None:
             self.before_iteration()
         if self._resuming:
@@ -237,7 +241,9 @@ class PreparedIterableLoader:
         non_blocking: bool = False,
         dispatch: bool = False,
         before_iteration: Callable[[], None] | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
+        self.timer = timer if timer is not None else disabled_timer()  # the step breakdown
         self.original = loader
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size
@@ -254,6 +260,7 @@ class PreparedIterableLoader:
         self._resuming = False
 
     def __iter__(self) -> Iterator[Any]:
+        self.timer.begin_data(self)
         if self.before_iteration is not None:
             self.before_iteration()
         world, rank = self.plan.world_size, self.plan.rank
@@ -294,18 +301,24 @@ def _hand_out(
     batches: Iterator[tuple[Any, bool, int]],
 ) -> Iterator[Any]:
     """Yield each (batch, is last, real samples of the last round) on the device, keeping
-    the loader's position and the gradient state (end of dataloader, remainder) current."""
-    gradients = loader.gradients
+    the loader's position and the gradient state (end of dataloader, remainder) current,
+    and marking the data phase of the step breakdown (from the request to the hand-out)."""
+    gradients, timer = loader.gradients, loader.timer
     gradients.end_of_dataloader, gradients.remainder = False, -1
     if loader.device_stream is not None:
         batches = loader.device_stream(batches)
-    for batch, last, remainder in batches:
-        loader.batches_consumed += 1
-        gradients.end_of_dataloader = last
-        gradients.remainder = remainder if last else -1
-        if loader.device is not None:
-            batch = send_to_device(batch, loader.device, loader.non_blocking)
-        yield batch
+    try:
+        for batch, last, remainder in batches:
+            loader.batches_consumed += 1
+            gradients.end_of_dataloader = last
+            gradients.remainder = remainder if last else -1
+            if loader.device is not None:
+                batch = send_to_device(batch, loader.device, loader.non_blocking)
+            timer.end_data(batch)
+            yield batch
+            timer.begin_data(loader)
+    finally:  # exhausted, or the loop left early (break, an exception)
+        timer.loop_ended(loader)
     gradients.end_of_dataloader, gradients.remainder = False, -1
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from nbaccel.accel.step_timing import OPTIMIZER, StepTimer, disabled_timer
+
 
 @dataclass
 class GradientState:
@@ -65,8 +67,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         clip: Callable[[AcceleratedOptimizer], None] | None = None,
         reduce: Callable[[torch.optim.Optimizer], None] | None = None,
         after_step: Callable[[], None] | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
         self.optimizer = optimizer
+        self.timer = timer if timer is not None else disabled_timer()  # the step breakdown
         self.gradients = gradients
         self.scaler = scaler
         self._clip = clip
@@ -107,11 +111,22 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.gradients.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+            previous = self.timer.enter(OPTIMIZER)
+            try:
+                self.optimizer.zero_grad(set_to_none=set_to_none)
+            finally:
+                self.timer.leave(previous)
 
     def step(self, closure: Any = None) -> Any:
         if not self.gradients.sync_gradients:
             return None
+        previous = self.timer.enter(OPTIMIZER)
+        try:
+            return self._take_step(closure)
+        finally:
+            self.timer.leave(previous)
+
+    def _take_step(self, closure: Any) -> Any:
         self.reduce_gradients()
         if self._clip is not None and not self.clipped:
             self._clip(self)  # the config's max_grad_norm, unless the user clipped already

@@ -146,6 +146,7 @@ class Prepared:
             self.precision.scaler,
             self.clip,
             **self.strategy.optimizer_hooks(),
+            timer=self.strategy.step_timer,
         )
         self.optimizers.append(wrapped)
         return wrapped
@@ -187,6 +188,7 @@ class Prepared:
             non_blocking=settings.non_blocking,
             dispatch=self._dispatches(bool(settings.dispatch_batches)),
             before_iteration=self._rng_synchronisation(),
+            timer=self.strategy.step_timer,
         )
         self.dataloaders.append(prepared)
         return prepared

@@ -18,6 +18,7 @@ import torch
 from nbaccel.accel import ddp_controls, lomo
 from nbaccel.accel.optim import AcceleratedOptimizer, GradientState
 from nbaccel.accel.preparation import Prepared
+from nbaccel.accel.step_timing import BACKWARD, OPTIMIZER
 
 
 class TrainingStep:
@@ -51,13 +52,20 @@ class TrainingStep:
             steps = self.gradient_state.accumulation_steps
             self.lomo_backward(loss / steps if steps > 1 else loss, learning_rate)
             return
-        self.strategy.backward(
-            loss,
-            accumulation_steps=self.gradient_state.accumulation_steps,
-            scaler=self.prepared.precision.scaler,
-            sync_gradients=self.gradient_state.sync_gradients,
-            **kwargs,
-        )
+        timer = self.strategy.step_timer
+        previous = timer.enter(BACKWARD)
+        if previous is not None and timer.distributed and self.gradient_state.sync_gradients:
+            timer.watch_reduction(loss)  # the end of backward waits for DDP's / FSDP's reduction
+        try:
+            self.strategy.backward(
+                loss,
+                accumulation_steps=self.gradient_state.accumulation_steps,
+                scaler=self.prepared.precision.scaler,
+                sync_gradients=self.gradient_state.sync_gradients,
+                **kwargs,
+            )
+        finally:
+            timer.leave(previous)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """The fused backward-and-update of a prepared LOMO / AdaLomo optimizer."""
@@ -105,9 +113,13 @@ class TrainingStep:
         """Unscale, then clip the gradients' total norm; None while accumulating."""
         if not self.gradient_state.sync_gradients:
             return None  # clipping a partial sum is meaningless (and would unscale twice)
-        if not self.strategy.clips_in_engine:
-            self._reduce_and_unscale()
-        return self.strategy.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        previous = self.strategy.step_timer.enter(OPTIMIZER)  # clipping: the optimizer's part
+        try:
+            if not self.strategy.clips_in_engine:
+                self._reduce_and_unscale()
+            return self.strategy.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        finally:
+            self.strategy.step_timer.leave(previous)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Unscale, then clamp each gradient to ``[-clip_value, clip_value]``."""

@@ -1,14 +1,16 @@
 """Text output of a run: the shown ranks' lines, labelled, with ``\\r`` progress bars kept.
 
 Used outside Jupyter, without ipywidgets, and as the dashboard's fallback. Rank 0 is
-printed bare; other ranks get a ``[rank N]`` label.
+printed bare; other ranks get a ``[rank N]`` label. At the end, one line sums up the step
+time (where it went, throughput, the straggler) when the workers sent a breakdown.
 """
 
 from __future__ import annotations
 
 from typing import TextIO
 
-from nbaccel.events import Event, LogLine, RunEnded, RunState, SettingsApplied
+from nbaccel.events import Event, LogLine, RunEnded, RunState, SettingsApplied, StepBreakdown
+from nbaccel.metrics import StepBoard
 
 
 class TextPrinter:
@@ -23,6 +25,7 @@ class TextPrinter:
         # flushing it per line sent one IOPub message per line (measured: 100 msg/s and
         # +10 % of a core in the kernel). Terminals and pipes are flushed per line.
         self._flush_per_line = not hasattr(stream, "flush_interval")
+        self._steps = StepBoard()
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, LogLine):
@@ -50,10 +53,14 @@ class TextPrinter:
                 ("\n" if self._open_rank is not None else "") + f"nbaccel: settings: {changes}\n"
             )
             self._open_rank = None
+        elif isinstance(event, StepBreakdown):
+            self._steps.add(event)
         elif isinstance(event, RunEnded):
             if self._open_rank is not None:
                 self._stream.write("\n")
                 self._open_rank = None
+            if self._steps.ranks:
+                self._stream.write(f"nbaccel: step time: {self._steps.summary()}\n")
             if self._announce_end and event.state is not RunState.SUCCEEDED:
                 why = f": {event.error}" if event.error is not None else ""  # stop(): no error
                 self._stream.write(f"nbaccel: run {event.state.value}{why}\n")

@@ -36,6 +36,7 @@ from nbaccel.events import (
     RunEnded,
     RunState,
     SettingsApplied,
+    StepBreakdown,
     WorkerStarted,
 )
 from nbaccel.launcher.arbiter import Arbiter
@@ -208,6 +209,11 @@ class RunPump:
                     self._metrics.append({**message["values"], "step": message["step"]})
                     self._metrics_seen += 1
             self._emit(event)
+        elif kind == "step_breakdown":
+            fields = ("steps", "phases", "samples", "tokens", "peak_memory")
+            window = {f: message[f] for f in fields}
+            self._record({"event": "step_breakdown", "rank": r.rank, **window})
+            self._emit(StepBreakdown(r.rank, **window, time=message["time"]))
         elif kind == "result":
             r.result, r.has_result = message["value"], True
             with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:

@@ -40,6 +40,7 @@ from nbaccel.ui.dashboard_text import (
 )
 from nbaccel.ui.dashboard_widgets import DashboardWidgets
 from nbaccel.ui.memory import MemorySampler
+from nbaccel.ui.step_panel import StepPanel
 
 TEXT_INTERVAL = 0.25  # 4 Hz text: live to the eye; 10 Hz cost ~1 % of a core more
 IMAGE_INTERVAL = 0.5  # 2 Hz frames (a blitted frame costs ~5 ms; a full redraw ~40 ms)
@@ -89,6 +90,7 @@ class Dashboard(CellOutput, DashboardWidgets):
         self._dirty_text = self._dirty_images = True
         self._written: dict[str, Any] = {}  # what each part shows, to skip equal writes
         self._plots: Any = None  # nbaccel.ui.plots objects, made on first frame
+        self.step_panel = StepPanel()  # the step-time breakdown
         self._summary_outputs: tuple[Any, Any] | None = None
         self._finished = threading.Event()
         self._wake = threading.Event()  # set by producers when the UI thread should look
@@ -291,6 +293,7 @@ class Dashboard(CellOutput, DashboardWidgets):
                     self._dirty_images = True
                 self._dirty_text = True  # ("close", None) only wakes the thread: see tick
             elif item is not None:
+                self.step_panel.handle(item)
                 self.model.handle(item)
                 self._ended = self._ended or isinstance(item, RunEnded)
                 self._dirty_text = self._dirty_images = True
@@ -320,6 +323,7 @@ class Dashboard(CellOutput, DashboardWidgets):
         dropped = model.tail_state(self._rank)[1]
         self._set("log", self.log, "value", log_html(self.visible_log, dropped, self._rank))
         self._set("errors", self.errors, "value", errors_html(model.errors))
+        self._set("steps", self.steps, "value", self.step_panel.html())
         names = model.metric_names
         if not self._metric_chosen and names:
             self._metric = "loss" if "loss" in names else names[0]
@@ -384,6 +388,8 @@ class Dashboard(CellOutput, DashboardWidgets):
         self._write_text()
         self._write_images()  # the run is done: the curve fits its steps, the bars its peaks
         self.summary_text = summary_text(self.model)
+        if self.step_panel.summary():
+            self.summary_text += "\n" + self.step_panel.summary()
         if self._plots is not None and (self.model.metric_names or self.model.memory):
             series = {name: self.model.series(name) for name in self.model.metric_names}
             title = f"nbaccel run {self.model.run_id}: {self.model.state.value}"

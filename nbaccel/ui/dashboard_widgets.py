@@ -72,6 +72,7 @@ class DashboardWidgets:
         self.curve = _tagged(_hidden_image(), "nbaccel-curve")
         self.memory_text = _tagged(widgets.HTML(), "nbaccel-memory-text")
         self.memory = _tagged(_hidden_image(), "nbaccel-memory")
+        self.steps = _tagged(widgets.HTML(), "nbaccel-steps")  # step_panel.StepPanel's HTML
         self.widget = _tagged(
             widgets.VBox(
                 [
@@ -85,6 +86,7 @@ class DashboardWidgets:
                     self.curve_legend,
                     self.memory_text,
                     self.memory,
+                    self.steps,
                 ]
             ),
             "nbaccel-dashboard",

@@ -26,8 +26,11 @@ from nbaccel.accel import collectives, models, weight_files
 from nbaccel.accel.checkpoint import DeviceHooks
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType, ProcessState
+from nbaccel.accel.step_timing import StepTimer
 from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config
+from nbaccel.context import active_session
+from nbaccel.metrics import report_step_breakdown
 
 # {id(original parameter): the parameter that replaced it} (FSDP shards in place).
 ParameterSwap = dict[int, torch.nn.Parameter]
@@ -54,6 +57,15 @@ class Strategy:
         self.config = config
         # The Accelerator's keywords that are no config field (DDP's, the compiler's, ...).
         self.options = options if options is not None else AcceleratorOptions(config, {})
+        # The step-time breakdown: on in launched workers; the prepared loaders, optimizers
+        # and the backward mark their phases into it. Not on XLA devices, whose lazy tensors
+        # run at the graph cut: host-side laps would time the tracing, not the step.
+        self.step_timer = StepTimer(
+            enabled=active_session() is not None and state.device.type != "xla",
+            send=report_step_breakdown,
+            distributed=state.world_size > 1,
+            device=state.device,
+        )
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -5,6 +5,12 @@ Sharding happens in place (the module keeps its class; its parameters become DTe
 so optimizers built before ``prepare`` are re-pointed at the sharded parameters. Full state
 dicts are gathered through ``torch.distributed.checkpoint`` into plain tensors, which load
 into an unsharded one-process model.
+
+The step-time breakdown: on CPU processes (gloo) each reduce-scatter of the gradients blocks
+inside ``backward``, so it is timed as communication by ``TimedReduceScatter``, torch's
+default reduce-scatter (the same collective, the same numbers) inside a timer mark. On GPUs
+the reduce-scatters run on their own stream, and only the wait for them at the end of
+``backward`` is communication (``StepTimer.watch_reduction``).
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from nbaccel.accel import models, sharded_checkpoint
+from nbaccel.accel import models, sharded_checkpoint, sharding
 from nbaccel.accel.precision import Precision
+from nbaccel.accel.step_timing import COMMUNICATION, StepTimer
 from nbaccel.accel.strategies.base import ParameterSwap
 from nbaccel.accel.strategies.data_parallel import DataParallel, warn_ddp_options_unused
 
@@ -42,6 +50,11 @@ class FullySharded(DataParallel):
         swap = models.prepare_sharded_model(
             model, self.state, precision, self.config.fsdp, compilation
         )
+        if self.step_timer.enabled and self.state.device.type == "cpu":
+            for module in model.modules():
+                if sharding.is_sharded(module):
+                    sharded: Any = module  # an FSDPModule
+                    sharded.set_custom_reduce_scatter(TimedReduceScatter(self.step_timer))
         return model, swap
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,3 +62,28 @@ class FullySharded(DataParallel):
         # Every rank takes part in the gathering; rank 0 gets the whole, as plain CPU
         # tensors (the others an empty dict), ready for one safetensors file.
         return sharded_checkpoint.full_model_state(inner)
+
+
+class TimedReduceScatter(DefaultReduceScatter):
+    """FSDP2's default reduce-scatter, timed as the communication phase of the step.
+
+    >>> TimedReduceScatter(StepTimer(enabled=False, send=print)).timer.enabled
+    False
+    """
+
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        previous = self.timer.enter(COMMUNICATION)
+        try:
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        finally:
+            self.timer.leave(previous)
