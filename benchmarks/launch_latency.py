@@ -25,6 +25,22 @@ nbaccel's first launch is measured in several fresh drivers, interleaved with fr
 interpreters that run ``import torch``: the import is the reference for the first launch
 (both the import statement alone and the whole ``python -c "import torch"`` wall time).
 
+In a Jupyter kernel ``import nbaccel`` starts the helper at once, in the background
+(``nbaccel.launcher.prewarm``; off with ``NBACCEL_PREWARM=0`` and in scripts). Each round
+therefore runs nbaccel's first launch in three fresh drivers (scenarios):
+
+* **cold**: no prewarm (a script): the launch starts the helper;
+* **prewarmed**: the helper started at import as in a kernel, the launch 2 s after the
+  ``import nbaccel`` (``--prewarm-delay``), as a user who imports, then writes the next cell;
+* **at import**: the helper started at import as in a kernel, the launch right after it;
+  ready and whole are counted from the start of the ``import nbaccel`` statement.
+
+A driver is not a kernel, so it calls ``prewarm(os.environ, in_kernel=True)`` right after
+``import nbaccel``: the function the import calls in a kernel, with the kernel check answered
+(no fake IPython, no switch in the product). It runs after the whole import, where a kernel
+runs it part-way through (after ``nbaccel.config.resolve``): the drivers start the helper
+slightly later than a kernel would, which can only make "at import" slower.
+
 Reading the output
 ------------------
 The table gives, per way, the median ready and whole times in seconds, the number of
@@ -35,7 +51,15 @@ and each way's median whole time divided by nbaccel's later-launch median whole 
 
 * nbaccel later launches: ready median <= 0.03 s;
 * nbaccel later launches: whole-call median <= 0.06 s;
-* nbaccel first launch: ready median <= 1.1 x the ``import torch`` statement median.
+* nbaccel first launch (cold): ready median <= 1.1 x the ``import torch`` statement median;
+* nbaccel prewarmed first launch: ready and whole medians within the later-launch targets
+  (it costs what a warm launch costs), its ratio to the measured later median shown;
+* nbaccel launch at import: ready median (from ``import nbaccel``) <= 1.1 x the
+  ``import torch`` statement median.
+
+``import nbaccel`` itself is timed in the drivers (with and without the prewarm call) and, each
+round, in the first cell of two fresh ipykernels (jupyter_client; ``NBACCEL_PREWARM=1`` and
+``0``): what the prewarm adds to the import where it really runs.
 
 The machine may be noisy: compare ratios rather than absolute seconds, and rerun.
 
@@ -62,6 +86,15 @@ from pathlib import Path
 from typing import Any
 
 from bench_util import median, progress, run_command, seconds, tail, verdict
+from first_launch import (
+    PREWARM_DELAY_S,
+    SCENARIOS,
+    import_nbaccel,
+    import_rows,
+    kernel_import_rows,
+    prewarm_targets,
+    probe_kernel_import,
+)
 
 SCRIPT = str(Path(__file__).resolve())
 WAYS = ("nbaccel", "fork", "spawn", "torchrun", "accelerate")
@@ -201,7 +234,7 @@ def accelerate_launcher() -> Launcher:
 
 
 def nbaccel_launcher(runs_dir: str) -> Launcher:
-    import nbaccel
+    import nbaccel  # imported already by run_driver, which times it
 
     def launch(out_dir: str) -> None:
         nbaccel.notebook_launcher(
@@ -230,11 +263,15 @@ def make_launcher(way: str, scratch: str) -> Launcher:
 # --------------------------------------------------------------------------- driver
 
 
-def measure_once(launch: Launcher, out_dir: str) -> Sample:
-    """One launch: ready = latest rank's stamp - call start; whole = call duration."""
+def measure_once(
+    launch: Launcher, out_dir: str, since: tuple[float, float] | None = None
+) -> Sample:
+    """One launch: ready = latest rank's stamp - call start; whole = call duration.
+
+    ``since``: (time.time(), time.perf_counter()) to count both from instead of the call.
+    """
     os.makedirs(out_dir)
-    started_wall = time.time()
-    started = time.perf_counter()
+    started_wall, started = since or (time.time(), time.perf_counter())
     try:
         launch(out_dir)
     except Exception as error:  # noqa: BLE001 - a failed launch is a result, not a crash
@@ -248,12 +285,18 @@ def measure_once(launch: Launcher, out_dir: str) -> Sample:
     return {"ready": latest - started_wall, "whole": whole}
 
 
-def run_driver(way: str, repeats: int) -> dict[str, Any]:
+def run_driver(
+    way: str, repeats: int, scenario: str = "cold", delay: float = PREWARM_DELAY_S
+) -> dict[str, Any]:
     """Measure one way in this (fresh) process: warm-up launch where it applies, then more."""
     started = time.perf_counter()
     import torch  # noqa: F401 - a notebook kernel has torch imported before it launches
 
     result: dict[str, Any] = {"way": way, "import_torch_s": time.perf_counter() - started}
+    since = None
+    if way == "nbaccel":
+        since, result["import_nbaccel_s"] = import_nbaccel(scenario)
+        result["scenario"] = scenario
     with tempfile.TemporaryDirectory(prefix="launch_latency-") as scratch:
         try:
             launch = make_launcher(way, scratch)
@@ -261,8 +304,12 @@ def run_driver(way: str, repeats: int) -> dict[str, Any]:
             return {**result, "skipped": f"cannot import: {error}"}
         paths = (os.path.join(scratch, f"launch{index}") for index in range(repeats + 1))
         result["first"] = []
+        if since is not None and scenario == "prewarmed":
+            # The user's pause between the import and the launch: the scenario, not a wait.
+            time.sleep(max(0.0, since[1] + delay - time.perf_counter()))
         if way in WARM_UP_WAYS:
-            result["first"].append(measure_once(launch, next(paths)))
+            origin = since if scenario == "at import" else None
+            result["first"].append(measure_once(launch, next(paths), origin))
         failures = sum("error" in sample for sample in result["first"])
         result["later"] = []
         for _ in range(repeats):
@@ -288,12 +335,15 @@ def driver_env(way: str) -> dict[str, str]:
     return env
 
 
-def run_way(way: str, repeats: int) -> dict[str, Any]:
+def run_way(
+    way: str, repeats: int, scenario: str = "cold", delay: float = PREWARM_DELAY_S
+) -> dict[str, Any]:
     """Run one driver process for a way and return its parsed JSON report."""
     missing = PACKAGES.get(way)
     if missing and importlib.util.find_spec(missing) is None:
         return {"way": way, "skipped": f"{missing} is not installed"}
     command = [sys.executable, SCRIPT, "--driver", way, "--repeats", str(repeats)]
+    command += ["--scenario", scenario, "--prewarm-delay", str(delay)]
     timeout = 120.0 + 30.0 * (repeats + 1)
     try:
         done = run_command(command, timeout, driver_env(way))
@@ -320,22 +370,26 @@ def probe_import_torch() -> dict[str, float]:
     return {"statement": float(done.stdout.split()[-1]), "process": wall}
 
 
-def collect(ways: list[str], repeats: int, first_repeats: int) -> dict[str, Any]:
+def collect(
+    ways: list[str], repeats: int, first_repeats: int, delay: float = PREWARM_DELAY_S
+) -> dict[str, Any]:
     """Every measurement of one benchmark run (raw samples, by way)."""
-    data: dict[str, Any] = {"import_torch": [], "reports": {}}
-    nbaccel_reports: list[dict[str, Any]] = []
+    data: dict[str, Any] = {"import_torch": [], "reports": {}, "prewarm_delay_s": delay}
     rounds = max(first_repeats, 1)
     for index in range(rounds):
         progress(f"import torch probe {index + 1}/{rounds}")
         data["import_torch"].append(probe_import_torch())
         if "nbaccel" in ways:
             last = index == rounds - 1
-            progress(f"nbaccel driver {index + 1}/{rounds}" + (" (with later launches)" * last))
-            nbaccel_reports.append(run_way("nbaccel", repeats if last else 0))
-            if "skipped" in nbaccel_reports[-1] or "failed" in nbaccel_reports[-1]:
-                break
-    if nbaccel_reports:
-        data["reports"]["nbaccel"] = nbaccel_reports
+            progress(f"import nbaccel in fresh ipykernels, prewarm on/off {index + 1}/{rounds}")
+            data.setdefault("kernel_import", []).append(probe_kernel_import())
+            for scenario in SCENARIOS:
+                name = "nbaccel" if scenario == "cold" else f"nbaccel {scenario}"
+                with_later = last and scenario == "cold"
+                note = " (with later launches)" * with_later
+                progress(f"{name} driver {index + 1}/{rounds}{note}")
+                report = run_way("nbaccel", repeats if with_later else 0, scenario, delay)
+                data["reports"].setdefault(name, []).append(report)
     for way in ways:
         if way != "nbaccel":
             progress(f"{way} driver")
@@ -368,6 +422,8 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "nbaccel first": [s for r in reports for s in r["first"]],
                 "nbaccel later": [s for r in reports for s in r["later"]],
             }
+        elif way.startswith("nbaccel "):  # a first-launch scenario: its one launch per driver
+            groups = {way: [s for r in reports for s in r["first"]]}
         else:
             groups = {way: [s for r in reports for s in r["later"]]}
             groups[f"{way} first"] = [s for r in reports for s in r["first"]]
@@ -382,10 +438,12 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "fail": len(samples) - len(kept),
                 "errors": sorted({s["error"] for s in samples if "error" in s}),
             }
+    rows.update(import_rows(data["reports"]))
+    rows.update(kernel_import_rows(data.get("kernel_import", [])))
     return rows
 
 
-def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+def format_table(rows: dict[str, dict[str, Any]], delay: float = PREWARM_DELAY_S) -> list[str]:
     base = rows.get("nbaccel later", {}).get("whole")
     lines = [
         f"{'way':<18}{'ready s':>9}{'whole s':>9}{'n':>4}{'fail':>5}  whole / nbaccel later",
@@ -396,7 +454,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
             lines.append(f"{name:<18}{row['note'].splitlines()[0]}")
             continue
         ratio = "-"
-        if base and row["whole"] is not None and name != "import torch":
+        if base and row["whole"] is not None and not name.startswith("import"):
             ratio = f"{row['whole'] / base:.2f}x"
         lines.append(
             f"{name:<18}{seconds(row['ready']):>9}{seconds(row['whole']):>9}"
@@ -404,7 +462,12 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         )
     lines.append(
         "(import torch: 'ready' = the import statement, 'whole' = python -c wall time;"
-        " '<way> first' = the driver's one warm-up launch)"
+        " '<way> first' = the driver's one warm-up launch; 'nbaccel prewarmed': first launch"
+        f" {delay:g} s after import nbaccel + prewarm; 'nbaccel at import': first"
+        " launch right after them, counted from the import; 'import nbaccel' /"
+        " 'import + prewarm': the statement (and the prewarm call) in the drivers, 'kernel import'"
+        " / 'kernel import+pw': the statement in a fresh ipykernel, prewarm off / on, under"
+        " 'ready')"
     )
     for name, row in rows.items():
         if "\n" in row.get("note", ""):
@@ -414,7 +477,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def format_targets(rows: dict[str, dict[str, Any]]) -> list[str]:
+def format_targets(rows: dict[str, dict[str, Any]], delay: float = PREWARM_DELAY_S) -> list[str]:
     later = rows.get("nbaccel later", {})
     first = rows.get("nbaccel first", {})
     if later.get("ready") is None or first.get("ready") is None:
@@ -443,7 +506,8 @@ def format_targets(rows: dict[str, dict[str, Any]]) -> list[str]:
         f" python -c 'import torch' {torch_row['whole']:.3f} s;"
         f" ready ratio to it {first['ready'] / torch_row['whole']:.2f})"
     )
-    return lines
+    targets = (TARGET_LATER_READY_S, TARGET_LATER_WHOLE_S, TARGET_FIRST_OVER_IMPORT)
+    return lines + prewarm_targets(rows, delay, *targets)
 
 
 # --------------------------------------------------------------------------- command line
@@ -458,7 +522,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 later, 2 first")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"comma list of {', '.join(WAYS)}")
     parser.add_argument("--json", metavar="PATH", help="write every raw sample here")
+    parser.add_argument(
+        "--prewarm-delay",
+        type=float,
+        default=PREWARM_DELAY_S,
+        help=f"seconds from import nbaccel to the prewarmed launch (default {PREWARM_DELAY_S:g})",
+    )
     parser.add_argument("--driver", choices=WAYS, help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", choices=SCENARIOS, default="cold", help=argparse.SUPPRESS)
     parser.add_argument("--torchrun-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats is None:
@@ -481,16 +552,17 @@ def main(argv: list[str] | None = None) -> int:
         torchrun_worker_main(args.torchrun_worker)
         return 0
     if args.driver:
-        print(MARKER + json.dumps(run_driver(args.driver, args.repeats)), flush=True)
+        report = run_driver(args.driver, args.repeats, args.scenario, args.prewarm_delay)
+        print(MARKER + json.dumps(report), flush=True)
         return 0
-    data = collect(args.ways, args.repeats, args.first_repeats)
+    data = collect(args.ways, args.repeats, args.first_repeats, args.prewarm_delay)
     rows = summarize(data)
     print(
         f"Launch latency, {WORLD_SIZE} CPU processes (gloo): ready = call -> every rank past"
         " one all_reduce; whole = call -> returned. Medians in seconds."
     )
-    print("\n".join(format_table(rows)))
-    print("\n".join(format_targets(rows)))
+    print("\n".join(format_table(rows, args.prewarm_delay)))
+    print("\n".join(format_targets(rows, args.prewarm_delay)))
     if args.json:
         record = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}
         Path(args.json).write_text(json.dumps({**record, **data}, indent=2) + "\n")

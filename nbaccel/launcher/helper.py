@@ -5,6 +5,10 @@ fork). It is started from a clean interpreter with ``subprocess``, so it never i
 kernel's CUDA context, threads or sockets. A reader thread routes the helper's replies
 (exit codes, spawn failures) to the run they belong to. If the helper dies, runs in flight fail with
 HelperError and the next launch starts a new one.
+
+In a Jupyter kernel the helper is started at ``import nbaccel`` (``nbaccel.launcher.prewarm``)
+from a background thread, through the same ``shared_helper`` a launch calls: one lock, so a
+launch that comes meanwhile waits for that start instead of making a second helper.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nbaccel.config.resolve import PREWARM_VAR
 from nbaccel.errors import HelperError
 from nbaccel.launcher import control
 
@@ -36,6 +41,9 @@ class HelperProcess:
         helper_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (package_root, env.get("PYTHONPATH", "")) if p
         )
+        # No parent-death signal for the helper: the kernel may start it from a short-lived
+        # thread (the prewarm), and PR_SET_PDEATHSIG fires when that *thread* ends. The helper
+        # watches the kernel's pid and its socket instead.
         try:
             self._process = subprocess.Popen(
                 [
@@ -142,20 +150,55 @@ class HelperProcess:
             listener({"op": "helper_died", "error": self._failure})
 
 
+# Starting the helper is one Popen (milliseconds; its torch import then runs on its own):
+# a launch waits this long for a start made by another thread before giving up.
+HELPER_START_TIMEOUT_S = 60.0
+
 _shared: HelperProcess | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_helper() -> HelperProcess:
+def shared_helper(timeout: float = HELPER_START_TIMEOUT_S) -> HelperProcess:
     """The helper for this process, started on first use (or again if it died).
 
+    A call made while another thread is starting it (the prewarm at ``import nbaccel``)
+    waits for that start, at most ``timeout`` seconds, and gets the same helper.
     This is a resource cache, like a connection pool: it holds no configuration.
     """
     global _shared
-    with _shared_lock:
+    if not _shared_lock.acquire(timeout=timeout):
+        raise HelperError(
+            f"the nbaccel helper process was still being started by another thread after "
+            f"{timeout:.0f} s: starting a process (subprocess.Popen of {sys.executable}) did "
+            "not return, which points at a machine out of memory or process ids. Free some "
+            f"and launch again; {PREWARM_VAR}=0 before starting the kernel turns off the "
+            "start at import."
+        )
+    try:
         if _shared is None or not _shared.alive:
             _shared = HelperProcess(os.environ)
         return _shared
+    finally:
+        _shared_lock.release()
+
+
+def start_shared_helper_in_background() -> threading.Thread:
+    """Start the shared helper from a daemon thread (returned), so the caller goes on at
+    once; a later ``shared_helper()`` gets this helper, waiting for the start if needed.
+
+    A failed start is left for the first launch, which starts the helper again and raises
+    the reason there (a prewarm has nobody to report to).
+    """
+    thread = threading.Thread(target=_start_quietly, name="nbaccel-prewarm", daemon=True)
+    thread.start()
+    return thread
+
+
+def _start_quietly() -> None:
+    try:
+        shared_helper()
+    except Exception:  # noqa: BLE001 - see start_shared_helper_in_background
+        pass
 
 
 def shutdown_shared_helper() -> None:

@@ -1,0 +1,132 @@
+"""nbaccel's first launch with the helper started at ``import nbaccel`` (the prewarm a Jupyter
+kernel gets): the pieces of ``launch_latency.py`` that measure it.
+
+* ``import_nbaccel``: in a driver, ``import nbaccel`` and then, for the prewarm scenarios,
+  ``prewarm(os.environ, in_kernel=True)``: the call the import makes in a kernel, with the
+  kernel check answered (a driver is not a kernel; nothing in nbaccel is switched).
+* ``probe_kernel_import``: how long ``import nbaccel`` takes in a real ipykernel
+  (jupyter_client), with the prewarm on and off: what the prewarm adds to the import.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import time
+from typing import Any
+
+from bench_util import median, verdict
+
+# nbaccel's first-launch scenarios (see launch_latency.py's docstring); "cold": no prewarm.
+SCENARIOS = ("cold", "prewarmed", "at import")
+PREWARM_DELAY_S = 2.0
+KERNEL_TIMEOUT_S = 120.0
+KERNEL_IMPORT_CELL = (
+    "import os, time as _time\n_started = _time.perf_counter()\nimport nbaccel\n"
+    "_seconds = _time.perf_counter() - _started"
+)
+
+
+def import_nbaccel(scenario: str) -> tuple[tuple[float, float], float]:
+    """``import nbaccel``, then (not cold) the prewarm a kernel's import makes; returns when
+    the import started (wall, perf) and how long import + prewarm call took."""
+    since = time.time(), time.perf_counter()
+    import nbaccel  # noqa: F401 - what the notebook's first cell does
+
+    if scenario != "cold":
+        from nbaccel.launcher.prewarm import prewarm
+
+        prewarm(os.environ, in_kernel=True)  # what import nbaccel does in a kernel
+    return since, time.perf_counter() - since[1]
+
+
+def import_rows(reports: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """``import nbaccel`` in the drivers: plain (cold) and followed by the prewarm call."""
+    timed = {
+        "import nbaccel": [r for r in reports.get("nbaccel", [])],
+        "import + prewarm": [
+            r for name in ("nbaccel prewarmed", "nbaccel at import") for r in reports.get(name, [])
+        ],
+    }
+    rows = {}
+    for name, drivers in timed.items():
+        values = [r["import_nbaccel_s"] for r in drivers if "import_nbaccel_s" in r]
+        if values:
+            rows[name] = {"ready": median(values), "whole": None, "n": len(values), "fail": 0}
+    return rows
+
+
+def probe_kernel_import() -> dict[str, float]:
+    """``import nbaccel`` timed in the first cell of a fresh ipykernel, NBACCEL_PREWARM=1
+    then 0 (seconds by "on"/"off"); each kernel and its helper are gone before returning."""
+    import psutil
+    from jupyter_client import KernelManager
+
+    seconds = {}
+    for name, value in (("on", "1"), ("off", "0")):
+        km = KernelManager(kernel_name="python3")
+        km.start_kernel(env={**os.environ, "NBACCEL_PREWARM": value})
+        kc = km.client()
+        kc.start_channels()
+        children: list[psutil.Process] = []
+        try:
+            kc.wait_for_ready(timeout=KERNEL_TIMEOUT_S)
+            asked = {"seconds": "_seconds", "pid": "os.getpid()"}
+            reply = kc.execute_interactive(
+                KERNEL_IMPORT_CELL, user_expressions=asked, timeout=KERNEL_TIMEOUT_S
+            )
+            found = reply["content"]["user_expressions"]
+            seconds[name] = float(found["seconds"]["data"]["text/plain"])
+            kernel = psutil.Process(int(ast.literal_eval(found["pid"]["data"]["text/plain"])))
+            children = kernel.children(recursive=True)  # the helper, when prewarmed
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+        # The helper finishes its import torch before it sees its kernel gone: let it go
+        # before anything else is measured on this machine.
+        psutil.wait_procs(children, timeout=KERNEL_TIMEOUT_S)
+    return seconds
+
+
+def kernel_import_rows(probes: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """``import nbaccel`` in a fresh ipykernel: prewarm off, and on."""
+    rows = {}
+    for key, name in (("off", "kernel import"), ("on", "kernel import+pw")):
+        values = [probe[key] for probe in probes if key in probe]
+        if values:
+            rows[name] = {"ready": median(values), "whole": None, "n": len(values), "fail": 0}
+    return rows
+
+
+def prewarm_targets(
+    rows: dict[str, dict[str, Any]],
+    delay: float,
+    later_ready_s: float,
+    later_whole_s: float,
+    over_import: float,
+) -> list[str]:
+    """The prewarm's two targets: a prewarmed first launch costs what a later one does; a
+    launch right at import takes at most 1.1 x import torch, counted from the import."""
+    later, torch_row = rows["nbaccel later"], rows["import torch"]
+    prewarmed = rows.get("nbaccel prewarmed", {})
+    at_import = rows.get("nbaccel at import", {})
+    lines = []
+    if prewarmed.get("ready") is not None:
+        within = prewarmed["ready"] <= later_ready_s and prewarmed["whole"] <= later_whole_s
+        lines.append(
+            f"target nbaccel first launch {delay:g} s after import (prewarmed):"
+            f" ready {prewarmed['ready']:.3f} s, whole {prewarmed['whole']:.3f} s within the"
+            f" later-launch targets {later_ready_s:.3f} / {later_whole_s:.3f} s"
+            f"  {verdict(within)}  (x{prewarmed['ready'] / later['ready']:.2f} ready,"
+            f" x{prewarmed['whole'] / later['whole']:.2f} whole of this run's later launches)"
+        )
+    if at_import.get("ready") is not None:
+        limit = over_import * torch_row["ready"]
+        lines.append(
+            f"target nbaccel launch right at import: ready (from import nbaccel) median"
+            f" {at_import['ready']:.3f} s <= {over_import} x import torch"
+            f" {torch_row['ready']:.3f} s = {limit:.3f} s"
+            f" (ratio {at_import['ready'] / torch_row['ready']:.2f})"
+            f"  {verdict(at_import['ready'] <= limit)}"
+        )
+    return lines

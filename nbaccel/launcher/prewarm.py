@@ -1,0 +1,72 @@
+"""Start the helper process at ``import nbaccel`` in a Jupyter kernel, before any launch.
+
+The first launch of a kernel used to pay for the helper's start: a fresh interpreter that
+imports torch (1-3 s). A notebook user imports nbaccel seconds before launching, so the
+helper can be started then, in the background: the first launch finds it ready (with
+spares forked and the Accelerator preloaded) and costs what a later one does.
+
+Only in a kernel: a plain script launches right after its imports, has nothing to gain and
+should not get a process it did not ask for. ``NBACCEL_PREWARM=0`` turns it off (the one
+environment variable read at import; the name lives in ``nbaccel.config.resolve``).
+Whether this runs in a kernel is decided above the launcher (``nbaccel/__init__.py`` asks
+``nbaccel.ui.kernel``); this module only reads the variable and starts the helper.
+
+>>> prewarm_wanted({}, in_kernel=False)
+False
+>>> prewarm_wanted({"NBACCEL_PREWARM": "0"}, in_kernel=True)
+False
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Mapping
+
+from nbaccel.config.resolve import PREWARM_VAR
+from nbaccel.launcher.helper import start_shared_helper_in_background
+
+# The words nbaccel's boolean options take (nbaccel.config.field_values.parse_text).
+_ON = frozenset({"", "1", "true", "yes", "on", "y"})
+_OFF = frozenset({"0", "false", "no", "off", "n"})
+
+
+def prewarm_wanted(env: Mapping[str, str], *, in_kernel: bool) -> bool:
+    """Whether to start the helper now: in a kernel, unless ``NBACCEL_PREWARM`` says no.
+
+    A value that is not a boolean warns and counts as no (nothing is started on a value
+    nobody can read).
+
+    >>> prewarm_wanted({}, in_kernel=True)
+    True
+    >>> prewarm_wanted({"NBACCEL_PREWARM": "off"}, in_kernel=True)
+    False
+    """
+    if not in_kernel:
+        return False
+    value = env.get(PREWARM_VAR, "").strip().lower()
+    if value in _ON:
+        return True
+    if value not in _OFF:
+        warnings.warn(
+            f"{PREWARM_VAR}={env[PREWARM_VAR]!r} is not a boolean (1/0, true/false, yes/no), "
+            "so the helper process is not started at import: the first launch starts it. "
+            f"Set {PREWARM_VAR}=1 or 0.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return False
+
+
+def prewarm(env: Mapping[str, str], *, in_kernel: bool) -> threading.Thread | None:
+    """Start the helper in the background if ``prewarm_wanted``; the starting thread or None.
+
+    What ``import nbaccel`` calls, with ``in_kernel`` from ``nbaccel.ui.kernel.in_kernel()``.
+    A driver that is not a kernel (``benchmarks/launch_latency.py``) calls it with
+    ``in_kernel=True`` to get exactly what a kernel gets. The helper is the one every
+    launch of this process uses (``nbaccel.launcher.helper.shared_helper``); it exits with
+    this process, launched or not.
+    """
+    if not prewarm_wanted(env, in_kernel=in_kernel):
+        return None
+    return start_shared_helper_in_background()

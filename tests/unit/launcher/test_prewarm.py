@@ -1,0 +1,169 @@
+"""The helper's start at ``import nbaccel``: when it happens (kernel or not, NBACCEL_PREWARM),
+the lock a launch waits on, and how the helper serves requests in the middle of its
+background imports. No helper process is started here (tests/notebook/test_prewarm.py
+starts real ones in a real kernel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nbaccel.config.resolve import PREWARM_VAR, resolve
+from nbaccel.errors import HelperError
+from nbaccel.launcher import control, helper, prewarm
+from nbaccel.launcher.helper_main import Helper
+
+
+@pytest.mark.parametrize("value", [None, "", "1", "true", "YES", " on "])
+def test_in_a_kernel_the_helper_is_prewarmed_unless_turned_off(value: str | None) -> None:
+    env = {} if value is None else {PREWARM_VAR: value}
+    assert prewarm.prewarm_wanted(env, in_kernel=True)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "off", "n"])
+def test_nbaccel_prewarm_0_turns_it_off(value: str) -> None:
+    assert not prewarm.prewarm_wanted({PREWARM_VAR: value}, in_kernel=True)
+
+
+@pytest.mark.parametrize("value", [None, "1"])
+def test_never_outside_a_kernel(value: str | None) -> None:
+    env = {} if value is None else {PREWARM_VAR: value}
+    assert not prewarm.prewarm_wanted(env, in_kernel=False)
+
+
+def test_an_unreadable_value_warns_naming_it_and_starts_nothing() -> None:
+    with pytest.warns(RuntimeWarning, match=r"NBACCEL_PREWARM='maybe' is not a boolean"):
+        assert not prewarm.prewarm_wanted({PREWARM_VAR: "maybe"}, in_kernel=True)
+
+
+def test_prewarm_not_wanted_starts_no_thread_and_no_process(nothing_started: Path) -> None:
+    before = set(threading.enumerate())
+    assert prewarm.prewarm({PREWARM_VAR: "0"}, in_kernel=True) is None
+    assert prewarm.prewarm({}, in_kernel=False) is None
+    assert set(threading.enumerate()) == before
+
+
+def test_the_variable_is_not_taken_for_an_unknown_config_option() -> None:
+    # Every NBACCEL_* name that is no option is refused by resolve(); this one is known.
+    resolved = resolve({}, env={PREWARM_VAR: "0"}, use_default_file=False)
+    assert resolved.sources["num_processes"] == "default"
+
+
+@pytest.fixture
+def shared_lock_held() -> Iterator[None]:
+    """Another thread is in the middle of starting the shared helper."""
+    assert helper._shared_lock.acquire(timeout=10)
+    try:
+        yield
+    finally:
+        helper._shared_lock.release()
+
+
+def test_a_launch_waits_for_a_start_in_progress_then_fails_clearly(
+    shared_lock_held: None,
+) -> None:
+    with pytest.raises(HelperError, match=r"still being started by another thread after 0 s"):
+        helper.shared_helper(timeout=0.05)
+
+
+# A stand-in for a Jupyter kernel: an IPython module whose shell is a ZMQInteractiveShell,
+# which is all nbaccel.ui.kernel.in_kernel looks at.
+_FAKE_KERNEL = """
+import sys, types
+class ZMQInteractiveShell: pass
+shell = ZMQInteractiveShell()
+sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: shell)
+"""
+_REPORT = """
+import json, threading, psutil, nbaccel.ui.kernel
+print(json.dumps({
+    "in_kernel": nbaccel.ui.kernel.in_kernel(),
+    "threads": [t.name for t in threading.enumerate()],
+    "children": [p.pid for p in psutil.Process().children(recursive=True)],
+}))
+"""
+
+
+def _import_nbaccel(*, kernel: bool, prewarm_value: str | None) -> dict[str, Any]:
+    """``import nbaccel`` in a fresh interpreter (in a stand-in kernel or a plain script)
+    and what it started: the prewarm decides at import, in that interpreter's one import."""
+    code = (_FAKE_KERNEL if kernel else "") + "import nbaccel\n" + _REPORT
+    env = {k: v for k, v in os.environ.items() if k != PREWARM_VAR}
+    if prewarm_value is not None:
+        env[PREWARM_VAR] = prewarm_value
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    assert report["in_kernel"] is kernel  # the stand-in is taken for a kernel
+    return report
+
+
+def test_import_nbaccel_in_a_script_starts_nothing() -> None:
+    report = _import_nbaccel(kernel=False, prewarm_value="1")
+    assert "nbaccel-prewarm" not in report["threads"]
+    assert report["children"] == []
+
+
+def test_import_nbaccel_in_a_kernel_with_nbaccel_prewarm_0_starts_nothing() -> None:
+    # The decision is made in the import itself: nothing started by then, nothing later.
+    report = _import_nbaccel(kernel=True, prewarm_value="0")
+    assert "nbaccel-prewarm" not in report["threads"]
+    assert report["children"] == []
+
+
+@pytest.fixture
+def idle_helper() -> Iterator[tuple[Helper, socket.socket]]:
+    """A Helper (the helper process's loop state) in this process, driven by hand: the
+    parent end of its control socket, no spares, no workers, as if mid-import."""
+    parent_end, helper_end = control.socket_pair()
+    state = Helper(helper_end, os.getppid())
+    state.in_tick = True
+    try:
+        yield state, parent_end
+    finally:
+        parent_end.close()
+        helper_end.close()
+        os.close(state.wake_read)
+        os.close(state.wake_write)
+
+
+def test_mid_import_a_spawn_without_a_spare_waits_for_the_import_with_its_fds(
+    idle_helper: tuple[Helper, socket.socket],
+) -> None:
+    state, parent = idle_helper
+    read_end, write_end = os.pipe()
+    try:
+        message = {"op": "spawn", "run": "r1", "rank": 0, "processes": 2}
+        control.send(parent, message, [read_end])
+        state.serve_mid_import()
+        assert [m["run"] for m, _ in state.deferred] == ["r1"]
+        ((_, fds),) = state.deferred
+        assert len(fds) == 1
+        os.fstat(fds[0])  # still open: it goes to the worker once a spare can be forked
+        assert not state.workers and not state.spares
+    finally:
+        for fd in (read_end, write_end, *(fd for _, fds in state.deferred for fd in fds)):
+            os.close(fd)
+
+
+def test_mid_import_messages_after_a_deferred_spawn_keep_their_order(
+    idle_helper: tuple[Helper, socket.socket],
+) -> None:
+    state, parent = idle_helper
+    control.send(parent, {"op": "spawn", "run": "r1", "rank": 0, "processes": 2})
+    control.send(parent, {"op": "signal", "run": "r1", "signal": 2, "ranks": None})
+    state.serve_mid_import()
+    state.serve_mid_import()
+    # The stop must not overtake the spawn it is about (it would reach no worker).
+    assert [m["op"] for m, _ in state.deferred] == ["spawn", "signal"]
