@@ -16,7 +16,15 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from nbaccel.events import DeviceMemory, Event, LogLine, Metric, RunEnded, encode_frame
+from nbaccel.events import (
+    DeviceMemory,
+    Event,
+    LogLine,
+    Metric,
+    RunEnded,
+    StepBreakdown,
+    encode_frame,
+)
 from nbaccel.launcher import control
 
 if TYPE_CHECKING:
@@ -24,6 +32,7 @@ if TYPE_CHECKING:
 
 LOG_LINES_KEPT = 500  # per rank: the dashboard shows a bounded tail, the file has them all
 METRICS_KEPT = 50_000  # rank 0's curve; events.jsonl keeps every metric
+STEP_WINDOWS_KEPT = 20  # per rank: the step panel shows the last seconds
 SEND_TIMEOUT = 5.0  # a client that stops reading is dropped rather than stall the run
 
 
@@ -35,6 +44,7 @@ class History:
         self.metrics: deque[Event] = deque(maxlen=METRICS_KEPT)
         self.memory: dict[int, Event] = {}  # the latest reading per rank
         self.logs: dict[int, deque[Event]] = {}
+        self.steps: dict[int, deque[Event]] = {}
         self.ended: RunEnded | None = None
 
     def add(self, event: Event) -> None:
@@ -44,6 +54,8 @@ class History:
             self.metrics.append(event)
         elif isinstance(event, DeviceMemory):
             self.memory[event.rank] = event
+        elif isinstance(event, StepBreakdown):
+            self.steps.setdefault(event.rank, deque(maxlen=STEP_WINDOWS_KEPT)).append(event)
         elif isinstance(event, RunEnded):
             self.ended = event
         else:
@@ -51,8 +63,9 @@ class History:
 
     def replay(self) -> list[Event]:
         logs = [line for rank in sorted(self.logs) for line in self.logs[rank]]
+        steps = [window for rank in sorted(self.steps) for window in self.steps[rank]]
         ended = [self.ended] if self.ended is not None else []
-        return [*self.events, *self.metrics, *self.memory.values(), *logs, *ended]
+        return [*self.events, *self.metrics, *steps, *self.memory.values(), *logs, *ended]
 
 
 class AttachServer:

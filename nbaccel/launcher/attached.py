@@ -29,6 +29,7 @@ from nbaccel.events import (
     RunEnded,
     RunStarted,
     RunState,
+    StepBreakdown,
     WorkerStarted,
 )
 from nbaccel.launcher import control
@@ -151,6 +152,10 @@ class AttachedRun(Run):
                     )
                 elif record.get("event") == "exited":
                     self._take(RankExited(record["rank"], record["exitcode"], record["time"]))
+                elif record.get("event") == "step_breakdown":
+                    fields = ("rank", "steps", "phases", "samples", "tokens", "peak_memory")
+                    window = {field: record[field] for field in fields}
+                    self._take(StepBreakdown(**window, time=record["time"]))
             for rank in range(self.world_size):
                 for line in self.logs(rank).splitlines():
                     self._emit(LogLine(rank, line, False, False, time.time()))
