@@ -563,4 +563,5 @@ def test_the_dashboard_estimates_the_prepared_models_memory(runs_dir: str) -> No
     assert params == 3 * 72 + 9  # counted by rank 0 in prepare and sent to the parent
     expected = estimate_for_config(run.config, params, world_size=2)
     assert dashboard.model.estimate == expected
-    assert "estimate (model states, per device)" in dashboard.summary_text
+    assert "Estimate for the prepared model, model states only" in dashboard.summary_text
+    assert expected.describe() in dashboard.summary_text
