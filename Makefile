@@ -11,13 +11,13 @@ XLA_STAMP := $(XLA_VENV)/.installed-stamp
 NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 
-.PHONY: demo test test-newest lint unit multiprocess notebook browser xla bench clean
+.PHONY: demo test test-newest newest-venv lint unit multiprocess notebook browser xla bench clean
 
 # Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
 $(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --requirement requirements/ci.txt
+	$(PY) -m pip install --quiet --no-compile --requirement requirements/ci.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
 	$(PY) -m pip check
 	# The oldest cloudpickle pyproject allows, beside the venv (not in it): the payload
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
 $(XLA_STAMP): pyproject.toml requirements/xla.txt
 	python3 -m venv $(XLA_VENV)
 	$(XLA_PY) -m pip install --quiet --upgrade pip
-	$(XLA_PY) -m pip install --quiet -r requirements/xla.txt
+	$(XLA_PY) -m pip install --quiet --no-compile -r requirements/xla.txt
 	$(XLA_PY) -m pip install --quiet -e . -r requirements/xla.txt
 	touch $(XLA_STAMP)
 
@@ -66,14 +66,18 @@ xla: $(XLA_STAMP)
 # The newest releases pyproject.toml allows (no lock; on this machine pip's own cap keeps
 # torch at the newest build on its disk): catches a dependency that moved since the lock
 # was made. Re-resolves on every call.
-test-newest:
-	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)
-	$(NEWEST_PY) -m pip install --quiet --upgrade pip
-	$(NEWEST_PY) -m pip install --quiet --upgrade --upgrade-strategy eager --editable '.[dev]'
-	$(NEWEST_PY) -m pip check
-	$(NEWEST_PY) -m pip freeze --exclude-editable > $(NEWEST_VENV)/resolved.txt
+# .ci/run builds this venv in the background while `make test` runs, then calls
+# `make test-newest NEWEST_READY=1`.
+test-newest: $(if $(NEWEST_READY),,newest-venv)
 	@grep -iE '^(torch|cloudpickle|ipykernel|ipywidgets|accelerate|safetensors)==' $(NEWEST_VENV)/resolved.txt
 	$(NEWEST_PY) -m pytest tests/unit tests/multiprocess tests/notebook
+
+newest-venv:
+	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --no-compile --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet --no-compile --upgrade --upgrade-strategy eager --editable '.[dev]'
+	$(NEWEST_PY) -m pip check
+	$(NEWEST_PY) -m pip freeze --exclude-editable > $(NEWEST_VENV)/resolved.txt
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_latency.py
