@@ -17,7 +17,7 @@ NEWEST_PY := $(NEWEST_VENV)/bin/python
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
 $(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --requirement requirements/ci.txt
+	$(PY) -m pip install --quiet --requirement requirements/ci.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
 	$(PY) -m pip check
 	# The oldest cloudpickle pyproject allows, beside the venv (not in it): the payload
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
 $(XLA_STAMP): pyproject.toml requirements/xla.txt
 	python3 -m venv $(XLA_VENV)
 	$(XLA_PY) -m pip install --quiet --upgrade pip
-	$(XLA_PY) -m pip install --quiet --no-compile -r requirements/xla.txt
+	$(XLA_PY) -m pip install --quiet -r requirements/xla.txt
 	$(XLA_PY) -m pip install --quiet -e . -r requirements/xla.txt
 	touch $(XLA_STAMP)
 
@@ -74,8 +74,8 @@ test-newest: $(if $(NEWEST_READY),,newest-venv)
 
 newest-venv:
 	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)
-	$(NEWEST_PY) -m pip install --quiet --no-compile --upgrade pip
-	$(NEWEST_PY) -m pip install --quiet --no-compile --upgrade --upgrade-strategy eager --editable '.[dev]'
+	$(NEWEST_PY) -m pip install --quiet --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet --upgrade --upgrade-strategy eager --editable '.[dev]'
 	$(NEWEST_PY) -m pip check
 	$(NEWEST_PY) -m pip freeze --exclude-editable > $(NEWEST_VENV)/resolved.txt
 
