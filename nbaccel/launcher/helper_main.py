@@ -119,12 +119,7 @@ class Helper:
             timeout = PARENT_POLL_SECONDS if idle and not warm_now else 0.0
             if warm_soon and not warm_now:
                 timeout = WARM_UP_AFTER_QUIET_SECONDS - quiet_for
-            kill_at = self.orphans.due()
-            if kill_at is not None:
-                timeout = max(0.0, min(timeout, kill_at - time.monotonic()))
-            waitables: list[Any] = [self.sock, self.wake_read]
-            ready, _, _ = select.select(waitables, [], [], timeout)
-            self.orphans.kill_due(time.monotonic())
+            ready = self._wait(timeout)
             if not ready and not self.sized:
                 self.sized = True
                 self.wanted_spares = max(self.wanted_spares, first_spares())
@@ -198,6 +193,17 @@ class Helper:
             signal.setitimer(signal.ITIMER_REAL, TICK_SECONDS, TICK_SECONDS)
             self.in_tick = False
 
+    def _wait(self, timeout: float) -> list[Any]:
+        """Wait for the control socket or the wake-up pipe, at most ``timeout`` s and no
+        later than the next orphan is due to be killed; then kill the orphans that are due."""
+        kill_at = self.orphans.due()
+        if kill_at is not None:
+            timeout = max(0.0, min(timeout, kill_at - time.monotonic()))
+        waitables: list[Any] = [self.sock, self.wake_read]
+        ready, _, _ = select.select(waitables, [], [], timeout)
+        self.orphans.kill_due(time.monotonic())
+        return ready
+
     def serve_mid_import(self) -> None:
         """Requests and exits, from the timer, in the middle of an import.
 
@@ -213,12 +219,7 @@ class Helper:
         while True:
             if os.getppid() != self.parent_pid:
                 raise _ParentGone
-            kill_at = self.orphans.due()
-            if kill_at is not None:
-                timeout = max(0.0, min(timeout, kill_at - time.monotonic()))
-            waitables: list[Any] = [self.sock, self.wake_read]
-            ready, _, _ = select.select(waitables, [], [], timeout)
-            self.orphans.kill_due(time.monotonic())
+            ready = self._wait(timeout)
             if self.wake_read in ready:
                 while drain(self.wake_read):
                     pass
