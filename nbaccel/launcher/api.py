@@ -95,6 +95,27 @@ def plan(
     )
 
 
+def warm_planning() -> None:
+    """Do, once and with no side effect, what only a process's first launch does: import
+    NVML's bindings (~15 ms), fill the schema's type-hint caches, read the loopback interface.
+
+    The prewarm calls it once the helper is ready, so a kernel's first launch costs what a
+    later one does (issue 16). It plans a default launch with an empty environment: no file
+    is read, nothing is written, and a problem in the user's settings is left for the launch
+    that reports it (this runs on a background thread that has nobody to tell).
+
+    >>> warm_planning()
+    """
+    config = resolve({}, env={}, use_default_file=False).config
+    plan_world_size(config, {})
+    build_payload(_do_nothing, (), {}, config)
+    loopback_interface()
+
+
+def _do_nothing() -> None:
+    """The function ``warm_planning`` pickles: a module-level function, as small as one gets."""
+
+
 def start_planned(planned: Planned, *, show: Display) -> Run:
     """Start a planned launch's workers in this process's helper; ``show`` sees the run."""
     resolved, xla, gpus, run_id = planned.resolved, planned.xla, planned.gpus, planned.run_id

@@ -182,25 +182,6 @@ def shared_helper(timeout: float = HELPER_START_TIMEOUT_S) -> HelperProcess:
         _shared_lock.release()
 
 
-def start_shared_helper_in_background() -> threading.Thread:
-    """Start the shared helper from a daemon thread (returned), so the caller goes on at
-    once; a later ``shared_helper()`` gets this helper, waiting for the start if needed.
-
-    A failed start is left for the first launch, which starts the helper again and raises
-    the reason there (a prewarm has nobody to report to).
-    """
-    thread = threading.Thread(target=_start_quietly, name="nbaccel-prewarm", daemon=True)
-    thread.start()
-    return thread
-
-
-def _start_quietly() -> None:
-    try:
-        shared_helper()
-    except Exception:  # noqa: BLE001 - see start_shared_helper_in_background
-        pass
-
-
 def shutdown_shared_helper() -> None:
     """Stop the shared helper (tests use it; the helper also exits with this process)."""
     global _shared

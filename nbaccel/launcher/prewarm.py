@@ -24,7 +24,8 @@ import warnings
 from collections.abc import Mapping
 
 from nbaccel.config.resolve import PREWARM_VAR
-from nbaccel.launcher.helper import start_shared_helper_in_background
+from nbaccel.launcher.api import warm_planning
+from nbaccel.launcher.helper import shared_helper
 
 # The words nbaccel's boolean options take (nbaccel.config.field_values.parse_text).
 _ON = frozenset({"", "1", "true", "yes", "on", "y"})
@@ -66,7 +67,22 @@ def prewarm(env: Mapping[str, str], *, in_kernel: bool) -> threading.Thread | No
     ``in_kernel=True`` to get exactly what a kernel gets. The helper is the one every
     launch of this process uses (``nbaccel.launcher.helper.shared_helper``); it exits with
     this process, launched or not.
+
+    Once the helper is ready, the thread warms this process's side of a launch too
+    (``warm_planning``): the first launch then finds both sides as a later one does.
     """
     if not prewarm_wanted(env, in_kernel=in_kernel):
         return None
-    return start_shared_helper_in_background()
+    thread = threading.Thread(target=_warm_up, name="nbaccel-prewarm", daemon=True)
+    thread.start()
+    return thread
+
+
+def _warm_up() -> None:
+    # shared_helper() is one Popen; the helper then imports torch in its own process while
+    # this thread plans a launch once (~20 ms, in the background of the user's next cells).
+    try:
+        shared_helper()
+        warm_planning()
+    except Exception:  # noqa: BLE001 - nobody to report to: the first launch starts the
+        pass  # helper again and raises the reason there, and plans with the user's settings

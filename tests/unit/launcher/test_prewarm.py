@@ -167,3 +167,49 @@ def test_mid_import_messages_after_a_deferred_spawn_keep_their_order(
     state.serve_mid_import()
     # The stop must not overtake the spawn it is about (it would reach no worker).
     assert [m["op"] for m, _ in state.deferred] == ["spawn", "signal"]
+
+
+def test_the_prewarm_thread_starts_the_helper_then_warms_this_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(prewarm, "shared_helper", lambda: calls.append("helper"))
+    monkeypatch.setattr(prewarm, "warm_planning", lambda: calls.append("planning"))
+    thread = prewarm.prewarm({}, in_kernel=True)
+    assert thread is not None
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert calls == ["helper", "planning"]
+
+
+_PLAN_AND_REPORT_IMPORTS = """
+import json, sys
+import nbaccel
+from nbaccel.launcher import api
+if sys.argv[1] == "warm":
+    api.warm_planning()
+before = set(sys.modules)
+api.plan(print, ("x",), 2, None, None, {})
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_after_warm_planning_a_first_plan_imports_nothing(warm: bool) -> None:
+    # What a kernel's first launch did on its own (NVML's bindings, ctypes: ~15-25 ms of the
+    # 1.3x over a later launch measured in benchmarks/launch_latency.py) the prewarm has
+    # done; a fresh interpreter, since this one has planned launches already.
+    env = {**os.environ, PREWARM_VAR: "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PLAN_AND_REPORT_IMPORTS, "warm" if warm else "cold"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = json.loads(done.stdout.splitlines()[-1])
+    if warm:
+        assert imported == []
+    else:
+        assert imported, "a cold first plan imports something: else this test shows nothing"
