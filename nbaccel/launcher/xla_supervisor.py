@@ -25,6 +25,7 @@ from typing import Any
 
 from nbaccel.events import EventWriter
 from nbaccel.launcher import control
+from nbaccel.launcher.worker_bootstrap import error_message
 from nbaccel.xla_plan import XlaPlan, explain_xla_failure
 
 ACCEPT_POLL_SECONDS = 0.2
@@ -118,8 +119,6 @@ class Handout:
 
 def report(event_fd: int, rank: int, error: BaseException, cause: str = "error") -> None:
     """Write a failure onto a rank's event pipe (only once that rank's worker is gone)."""
-    from nbaccel.launcher.worker import error_message
-
     message = error_message(error, rank)
     message["cause"] = cause
     EventWriter(event_fd).send(message)

@@ -26,7 +26,7 @@ from nbaccel.context import ProcessContext
 from nbaccel.events import EventWriter
 from nbaccel.launcher import control
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
-from nbaccel.launcher.worker import capture_output, error_message, run_payload
+from nbaccel.launcher.worker_bootstrap import capture_output, error_message, run_payload
 from nbaccel.xla_plan import XlaPlan, explain_xla_failure
 
 _process_lock = threading.Lock()

@@ -48,6 +48,7 @@ BASE = (
 # so they may import torch; none of them is imported by the parent side.
 WORKER_SIDE_LAUNCHER = (
     "nbaccel.launcher.worker",
+    "nbaccel.launcher.worker_bootstrap",
     "nbaccel.launcher.xla_worker",
     "nbaccel.launcher.xla_supervisor",
     "nbaccel.launcher.device_memory",

@@ -22,7 +22,7 @@ from nbaccel.context import ProcessContext
 from nbaccel.events import DeviceMemory, EventWriter, RunState
 from nbaccel.launcher import api
 from nbaccel.launcher.run import Run
-from nbaccel.launcher.worker import error_message
+from nbaccel.launcher.worker_bootstrap import error_message
 from nbaccel.xla_plan import XlaPlan
 from tests.unit.fake_hosts import tpu_host
 
