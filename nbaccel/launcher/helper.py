@@ -67,6 +67,7 @@ class HelperProcess:
         self._listeners_lock = threading.Lock()
         self._failure: str | None = None
         self._alive = True
+        self._answered = threading.Event()  # "ready", "failed" or gone
         self._reader = threading.Thread(target=self._read_loop, name="nbaccel-helper", daemon=True)
         self._reader.start()
 
@@ -77,6 +78,10 @@ class HelperProcess:
     @property
     def alive(self) -> bool:
         return self._alive
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the helper has preloaded torch (or failed, or exited); True if ready."""
+        return self._answered.wait(timeout) and self._alive and self._failure is None
 
     def subscribe(self, run_id: str, listener: HelperListener) -> None:
         with self._listeners_lock:
@@ -128,6 +133,7 @@ class HelperProcess:
                 break
             op = message["op"]
             if op == "ready":
+                self._answered.set()
                 continue  # requests were queued on the socket meanwhile: nothing to wait for
             if op == "failed":
                 self._failure = (
@@ -141,6 +147,7 @@ class HelperProcess:
                 if listener is not None:
                     listener(message)
         self._alive = False
+        self._answered.set()
         code = self._process.wait()
         if self._failure is None:
             self._failure = f"the nbaccel helper process exited (code {code})"

@@ -19,13 +19,13 @@ False
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Mapping
 
 from nbaccel.config.resolve import PREWARM_VAR
-from nbaccel.launcher.api import warm_planning
-from nbaccel.launcher.helper import shared_helper
+from nbaccel.launcher.helper import HELPER_START_TIMEOUT_S, shared_helper
 
 # The words nbaccel's boolean options take (nbaccel.config.field_values.parse_text).
 _ON = frozenset({"", "1", "true", "yes", "on", "y"})
@@ -69,7 +69,8 @@ def prewarm(env: Mapping[str, str], *, in_kernel: bool) -> threading.Thread | No
     this process, launched or not.
 
     Once the helper is ready, the thread warms this process's side of a launch too
-    (``warm_planning``): the first launch then finds both sides as a later one does.
+    (``nbaccel.launcher.api.warm_planning``): the first launch then finds both sides as a
+    later one does.
     """
     if not prewarm_wanted(env, in_kernel=in_kernel):
         return None
@@ -79,10 +80,16 @@ def prewarm(env: Mapping[str, str], *, in_kernel: bool) -> threading.Thread | No
 
 
 def _warm_up() -> None:
-    # shared_helper() is one Popen; the helper then imports torch in its own process while
-    # this thread plans a launch once (~20 ms, in the background of the user's next cells).
     try:
-        shared_helper()
-        warm_planning()
+        helper = shared_helper()  # one Popen: the helper imports torch in its own process
+        helper.wait_ready(HELPER_START_TIMEOUT_S)
+        # Then warm this side. Only through a module the kernel's ``import nbaccel`` has
+        # finished: importing on this thread could race that import (module locks taken in
+        # two orders), and importing the launch path here, before the helper starts, was
+        # measured to delay its start by ~0.1 s. By "ready" the import is long done.
+        api = sys.modules.get("nbaccel.launcher.api")
+        warm_planning = getattr(api, "warm_planning", None)
+        if warm_planning is not None:
+            warm_planning()
     except Exception:  # noqa: BLE001 - nobody to report to: the first launch starts the
         pass  # helper again and raises the reason there, and plans with the user's settings
