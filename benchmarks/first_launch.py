@@ -20,6 +20,9 @@ from bench_util import median, verdict
 # nbaccel's first-launch scenarios (see launch_latency.py's docstring); "cold": no prewarm.
 SCENARIOS = ("cold", "prewarmed", "at import")
 PREWARM_DELAY_S = 2.0
+# What a prewarmed first launch may exceed this run's later-launch medians by and still
+# count as "what a warm launch costs": the run-to-run spread of those medians here.
+PREWARM_NOISE = 0.10
 KERNEL_TIMEOUT_S = 120.0
 KERNEL_IMPORT_CELL = (
     "import os, time as _time\n_started = _time.perf_counter()\nimport nbaccel\n"
@@ -112,13 +115,16 @@ def prewarm_targets(
     at_import = rows.get("nbaccel at import", {})
     lines = []
     if prewarmed.get("ready") is not None:
-        within = prewarmed["ready"] <= later_ready_s and prewarmed["whole"] <= later_whole_s
+        # The goal compares with a warm launch of the same run (issue 16: "costs no more
+        # than a warm one"); 10 % is the spread of later-launch medians between runs here.
+        ready_x, whole_x = prewarmed["ready"] / later["ready"], prewarmed["whole"] / later["whole"]
+        within = max(ready_x, whole_x) <= 1 + PREWARM_NOISE
         lines.append(
-            f"target nbaccel first launch {delay:g} s after import (prewarmed):"
-            f" ready {prewarmed['ready']:.3f} s, whole {prewarmed['whole']:.3f} s within the"
-            f" later-launch targets {later_ready_s:.3f} / {later_whole_s:.3f} s"
-            f"  {verdict(within)}  (x{prewarmed['ready'] / later['ready']:.2f} ready,"
-            f" x{prewarmed['whole'] / later['whole']:.2f} whole of this run's later launches)"
+            f"target nbaccel first launch {delay:g} s after import (prewarmed): ready"
+            f" {prewarmed['ready']:.3f} s, whole {prewarmed['whole']:.3f} s = x{ready_x:.2f},"
+            f" x{whole_x:.2f} this run's later launches ({later['ready']:.3f} /"
+            f" {later['whole']:.3f} s), <= x{1 + PREWARM_NOISE:.2f}  {verdict(within)}"
+            f"  (later-launch targets: {later_ready_s:.3f} / {later_whole_s:.3f} s)"
         )
     if at_import.get("ready") is not None:
         limit = over_import * torch_row["ready"]
