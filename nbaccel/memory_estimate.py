@@ -162,8 +162,8 @@ def sharding_stage(config: Config) -> str:
       groups of one process, which ``estimate_for_config`` estimates as ``"zero3"`` over a
       group of 1: DDP's figures without its gradient buckets), ``HYBRID_SHARD`` →
       ``"zero3"`` within each machine: its shard group is the processes of one machine
-      (``num_processes``), replicated across machines; ``estimate_for_config`` divides by
-      that group.
+      (``num_processes / num_machines``), replicated across machines;
+      ``estimate_for_config`` divides by that group.
     * ``strategy="deepspeed"``: ``zero_stage`` 0, 1, 2, 3 → ddp, zero1, zero2, zero3.
     * ``strategy="xla"``: ``"ddp"`` (replicated data parallel).
 
@@ -277,8 +277,8 @@ def estimate_for_config(
 ) -> MemoryEstimate:
     """``estimate_memory`` for what ``config`` asks: stage, precision, offload, hybrid groups.
 
-    ``world_size`` defaults to ``num_processes × num_machines``; pass it when
-    ``num_processes`` is unset (one process per visible GPU). ``no_sync_accumulation``
+    ``world_size`` defaults to ``num_processes`` (every machine's processes together); pass
+    it when ``num_processes`` is unset (one process per visible GPU). ``no_sync_accumulation``
     defaults to ``gradient_accumulation_steps > 1`` without ``sync_each_batch`` (the
     ``accumulate(model)`` idiom); pass False for a loop that uses ``accumulate()`` without
     the model.
@@ -293,7 +293,7 @@ def estimate_for_config(
                 "num_processes is not set, so the number of processes is not known yet "
                 "(one per visible GPU). Pass world_size=, or set num_processes."
             )
-        world_size = config.num_processes * config.num_machines
+        world_size = config.num_processes
     stage = sharding_stage(config)
     engine = "deepspeed" if config.strategy == "deepspeed" else "torch"
     group = None

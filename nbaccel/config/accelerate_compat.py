@@ -170,17 +170,8 @@ def from_accelerate_yaml(data: Mapping[str, Any], origin: str) -> dict[str, Any]
             values[key] = value
     if values.get("strategy") == "ddp" and data.get("distributed_type") == "MULTI_CPU":
         values["use_cpu"] = True
-    machines = values.get("num_machines", 1)
-    if isinstance(values.get("num_processes"), int) and isinstance(machines, int) and machines > 1:
-        # Accelerate counts processes over all machines; nbaccel counts them per machine.
-        total = values["num_processes"]
-        if total % machines:
-            raise ConfigError(
-                f"{origin}: num_processes={total} cannot be split evenly over "
-                f"num_machines={machines}.",
-                field="num_processes",
-            )
-        values["num_processes"] = total // machines
+    # num_processes passes through unchanged: Accelerate's counts all machines, as nbaccel's
+    # does; the schema refuses a total that does not split evenly over num_machines.
     return values
 
 

@@ -34,9 +34,11 @@ APPLIES_WHEN: dict[str, Predicate] = {
     "deepspeed.zero3_save_16bit_model": lambda values: int(values["deepspeed_zero_stage"]) == 3,
     **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
     "rdzv_timeout": _multi_node,
-    # Asked only when the process count would otherwise be refused on this machine's CPUs.
+    # Asked only when this machine's share of the processes would otherwise be refused on
+    # its CPUs (num_processes counts all machines).
     "allow_oversubscribe": lambda values: (
-        int(values["num_processes"] or 0) > OVERSUBSCRIBE_FACTOR * usable_cpu_cores()
+        int(values["num_processes"] or 0) // max(int(values["num_machines"]), 1)
+        > OVERSUBSCRIBE_FACTOR * usable_cpu_cores()
     ),
 }
 

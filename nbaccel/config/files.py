@@ -7,6 +7,7 @@ computed from an environment mapping passed in, never from ``os.environ`` direct
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,8 @@ def load_file(path: Path) -> dict[str, Any]:
     import yaml  # deferred: only config files need it
 
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        data = yaml.safe_load(text)
     except OSError as error:
         raise ConfigError(f"Cannot read config file {path}: {error.strerror}.") from None
     except yaml.YAMLError as error:
@@ -74,7 +76,9 @@ def load_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"Config file {path} must hold a mapping of field: value lines.")
     if looks_like_accelerate(data):
         return from_accelerate_yaml(data, str(path))
-    return _flatten_nested(data, str(path))
+    values = _flatten_nested(data, str(path))
+    _check_process_meaning(values, text, path)
+    return values
 
 
 def _flatten_nested(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
@@ -90,6 +94,46 @@ def _flatten_nested(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
             values[str(key)] = value
     check_names(values, f"file {origin}")
     return values
+
+
+# The help comment `nbaccel config` wrote above num_processes while it counted one machine's
+# processes. nbaccel's YAML has no format version, and this line is the only mark that tells
+# such a file from a new one; a hand-written file without it is only checked for a count that
+# cannot be a total (the schema's check).
+_PER_MACHINE_COMMENT = re.compile(r"^\s*#\s*Worker processes per machine\.", re.MULTILINE)
+
+
+def _check_process_meaning(values: Mapping[str, Any], text: str, path: Path) -> None:
+    """Refuse an nbaccel file that states a per-machine num_processes (the meaning before it
+    became the total over all machines), rather than silently starting fewer processes."""
+    total, machines = values.get("num_processes"), values.get("num_machines")
+    if type(total) is not int or type(machines) is not int or machines <= 1 or total < 1:
+        return  # one machine: both meanings agree; bad types are the schema's to report
+    per_machine = (
+        f"write num_processes: {total * machines} (or give `nbaccel launch` "
+        f"--nproc_per_node {total})"
+    )
+    if _PER_MACHINE_COMMENT.search(text):
+        raise ConfigError(
+            f"Config file {path}: num_processes: {total} with num_machines: {machines} was "
+            "written by `nbaccel config` when num_processes counted the processes of one "
+            "machine (its comment says 'Worker processes per machine'). num_processes now "
+            "counts the processes of all machines together, as in Accelerate, so this file "
+            f"would start {total} processes in all instead of {total * machines}. For the same "
+            f"job {per_machine}, and delete that comment line: it is how nbaccel tells files "
+            "written before the change.",
+            field="num_processes",
+        )
+    if total % machines:
+        raise ConfigError(
+            f"Config file {path}: num_processes: {total} cannot be split evenly over "
+            f"num_machines: {machines}. num_processes counts the processes of all machines "
+            "together, as in Accelerate, and every machine starts the same number; before, "
+            "nbaccel counted one machine's, which this file may have been written for. For "
+            f"{total} per machine {per_machine}; for {total} in all, use a multiple of "
+            f"{machines}.",
+            field="num_processes",
+        )
 
 
 def dump(config: Config) -> str:

@@ -39,7 +39,8 @@ ACCELERATE_KEYWORDS = (*RENAMED, *_ELASTIC_ONLY)
 _FOR_SEVERAL_MACHINES = (
     "One-machine launches from Python rendezvous over a private TCP store on 127.0.0.1; "
     "for several machines run `nbaccel launch --num_machines N --machine_rank R "
-    "--main_process_ip HOST script.py` on each."
+    "--main_process_ip HOST --num_processes TOTAL script.py` on each (TOTAL counts every "
+    "machine's processes; --nproc_per_node P gives the count per machine instead)."
 )
 
 

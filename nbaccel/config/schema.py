@@ -56,7 +56,9 @@ class Config:
 
     num_processes: int | None = schema_field(
         None,
-        "Worker processes per machine. Default: one per visible GPU, else 1.",
+        "Worker processes in all, over every machine (as Accelerate's --num_processes); each "
+        "machine starts num_processes / num_machines. Default: one per visible GPU on each "
+        "machine, else 1.",
         minimum=1,
     )
     allow_oversubscribe: bool = schema_field(
@@ -190,6 +192,32 @@ class Config:
         shown_ranks(self.log_ranks)  # raises ConfigError when malformed
         _check_consistency(self)
 
+    def processes_per_machine(self, gpus: int) -> int:
+        """How many workers each machine starts: ``num_processes / num_machines`` (an exact
+        division, checked), or when ``num_processes`` is unset one per GPU visible to the
+        workers (``gpus``; 0 for CPU processes), at least 1. The one place that turns the
+        total into a per-machine count: every machine of a job starts the same number.
+
+        >>> Config(num_processes=4, num_machines=2).processes_per_machine(gpus=8)
+        2
+        >>> Config(num_machines=2).processes_per_machine(gpus=0)
+        1
+        """
+        if self.num_processes is None:
+            return max(gpus, 1)
+        return self.num_processes // self.num_machines
+
+    def total_processes(self, gpus: int) -> int:
+        """The world size: ``num_processes``, or when it is unset ``processes_per_machine``
+        on each of the ``num_machines`` (``gpus`` as there).
+
+        >>> Config(num_machines=2).total_processes(gpus=4)
+        8
+        >>> Config(num_processes=6, num_machines=2).total_processes(gpus=4)
+        6
+        """
+        return self.processes_per_machine(gpus) * self.num_machines
+
     def replace(self, **changes: Any) -> Config:
         """A copy with some fields changed, by flat name (``fsdp_cpu_offload=True`` works)."""
         check_names(changes, "argument")
@@ -275,6 +303,7 @@ def _check_consistency(config: Config) -> None:
             f"machine ranks go from 0 to {config.num_machines - 1}.",
             field="machine_rank",
         )
+    _check_process_split(config)
     if config.strategy == "deepspeed" and config.use_cpu:
         raise ConfigError(
             "strategy='deepspeed' needs CUDA GPUs, but use_cpu=True. Use strategy='fsdp' "
@@ -306,6 +335,25 @@ def _check_consistency(config: Config) -> None:
             "strategy='xla' runs on TPUs; use_cpu=True asks for CPU processes. Choose one.",
             field="strategy",
         )
+
+
+def _check_process_split(config: Config) -> None:
+    """``num_processes`` counts every machine's processes, and each machine starts the same
+    number, so the total must split evenly (checked here for every source: file, env, code)."""
+    total, machines = config.num_processes, config.num_machines
+    if total is None or total % machines == 0:
+        return
+    below, above = total // machines * machines, (total // machines + 1) * machines
+    nearest = f"{below} or {above}" if below else str(above)
+    raise ConfigError(
+        f"num_processes={total} cannot be split evenly over num_machines={machines}: "
+        "num_processes counts the processes of all machines together (as Accelerate's "
+        "--num_processes does), and every machine starts the same number. Use a multiple of "
+        f"{machines} ({nearest}); if you meant {total} per machine (nbaccel's meaning before), "
+        f"set num_processes={total * machines}, or pass `nbaccel launch` --nproc_per_node "
+        f"{total}.",
+        field="num_processes",
+    )
 
 
 @functools.cache

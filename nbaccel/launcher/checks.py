@@ -78,7 +78,9 @@ def check_one_machine(resolved: Resolved) -> None:
             f"{name}={getattr(config, name)} (from {sources[name]}): launch() and "
             "notebook_launcher() start processes on this machine only. To train across "
             "machines, run `nbaccel launch --num_machines N --machine_rank R "
-            "--main_process_ip HOST script.py` on each machine, or set num_machines=1.",
+            "--main_process_ip HOST --num_processes TOTAL script.py` on each machine (TOTAL "
+            "counts every machine's processes, or give --nproc_per_node P per machine), or "
+            "set num_machines=1.",
             field=name,
         )
     if not _is_loopback(config.main_process_ip):

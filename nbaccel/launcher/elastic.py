@@ -1,8 +1,9 @@
 """Several machines: torch.distributed.elastic with c10d rendezvous (``nbaccel launch`` only).
 
 Each machine runs ``nbaccel launch --num_machines N --machine_rank R --main_process_ip IP
---main_process_port P script.py``. Machine 0 hosts the rendezvous store; the elastic agent
-on each machine starts ``num_processes`` workers once all N machines have joined, labels
+--main_process_port P --num_processes TOTAL script.py`` (or ``--nproc_per_node``). Machine 0
+hosts the rendezvous store; the elastic agent on each machine starts its share of the TOTAL
+(``Config.processes_per_machine``) once all N machines have joined, labels
 their output by rank, and stops everyone when one fails. torch is imported here, in the
 terminal's launcher process: never in a notebook kernel.
 """
@@ -31,7 +32,7 @@ def launch_machines(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     gpus = 0 if config.use_cpu else visible_gpu_count(os.environ)
-    per_machine = config.num_processes or max(gpus, 1)
+    per_machine = config.processes_per_machine(gpus)
     port = config.main_process_port or DEFAULT_MULTINODE_PORT
     endpoint = f"{config.main_process_ip}:{port}"
     launch_config = LaunchConfig(

@@ -208,9 +208,11 @@ def memory_report(
     if config is None:
         return "<i>Memory estimate: fix the marked fields first.</i>"
     on_gpu = not config.use_cpu and gpus > 0 and config.strategy != "xla"
-    here = config.num_processes or max(gpus if on_gpu else 1, 1)
+    workers_gpus = gpus if on_gpu else 0
+    here = config.processes_per_machine(workers_gpus)  # num_processes counts all machines
     try:
-        estimate = estimate_for_config(config, num_params, world_size=here * config.num_machines)
+        world_size = config.total_processes(workers_gpus)
+        estimate = estimate_for_config(config, num_params, world_size=world_size)
     except ValueError as error:
         return problem_html(str(error))
     return memory_html(estimate, local_processes=here, limit=limit(config, on_gpu), on_gpu=on_gpu)

@@ -112,7 +112,7 @@ def test_wizard_in_a_terminal_reasks_a_bad_answer_and_writes_the_config(
     wizard: tuple[subprocess.Popen[bytes], Terminal, Path],
 ) -> None:
     process, terminal, target = wizard
-    terminal.expect("num_processes: Worker processes per machine.")  # the help comes first
+    terminal.expect("num_processes: Worker processes in all, over every machine")  # help first
     terminal.expect("num_processes [none]: ")
     terminal.send_line("zero")
     terminal.expect("num_processes='zero' is not a valid int. Try again")

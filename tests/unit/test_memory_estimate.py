@@ -247,7 +247,7 @@ def test_estimate_for_config_reads_processes_precision_and_offload() -> None:
 
 def test_hybrid_shard_divides_within_one_machine() -> None:
     config = Config(
-        num_processes=4,
+        num_processes=8,  # in all: 4 on each of the 2 machines
         num_machines=2,
         strategy="fsdp",
         fsdp=FSDPOptions(sharding_strategy="HYBRID_SHARD"),
@@ -255,6 +255,24 @@ def test_hybrid_shard_divides_within_one_machine() -> None:
     e = estimate_for_config(config, PSI)
     assert e == estimate_memory(PSI, world_size=8, stage="zero3", shard_group_size=4)
     assert parts(e) == (1, 1, 2, 0, 0)  # over 4 processes, not 8
+
+
+def test_the_world_size_is_num_processes_itself_over_several_machines() -> None:
+    config = Config(num_processes=4, num_machines=2, strategy="fsdp")
+    assert estimate_for_config(config, PSI) == estimate_memory(PSI, world_size=4, stage="zero3")
+
+
+def test_the_panel_estimate_uses_the_total_and_this_machines_share() -> None:
+    from nbaccel.ui.config_widgets import memory_report
+
+    config = Config(num_processes=4, num_machines=2, strategy="fsdp", use_cpu=True)
+    text = memory_report(config, PSI, gpus=0, limit=lambda config, on_gpu: (10**12, "RAM"))
+    zero3_over_4 = estimate_memory(PSI, world_size=4, stage="zero3")
+    assert zero3_over_4.describe() in text  # world size 4, not 8
+    assert "for 2 processes here" in text  # this machine's 2 of the 4
+    unset = Config(num_machines=2, strategy="fsdp")  # one per GPU on each machine: 2 × 3
+    text = memory_report(unset, PSI, gpus=3, limit=lambda config, on_gpu: None)
+    assert estimate_memory(PSI, world_size=6, stage="zero3").describe() in text
 
 
 def test_no_shard_is_fsdp_with_groups_of_one() -> None:
