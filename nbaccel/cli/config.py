@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nbaccel.cli.flags import add_config_flags, explicit_values
+from nbaccel.cli.flags import add_config_flags, resolve_flags
 from nbaccel.config.display import applies, launch_flags, show_value
 from nbaccel.config.files import default_file, nbaccel_default_file, save
 from nbaccel.config.resolve import Resolved, resolve
@@ -196,8 +196,7 @@ def _run_wizard(args: argparse.Namespace) -> int:
 
 
 def _run_show(args: argparse.Namespace) -> int:
-    resolved = resolve(explicit_values(args), env=os.environ, config=args.config_file)
-    print(format_sources(resolved))
+    print(format_sources(resolve_flags(args, os.environ)))
     return 0
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import nbaccel
-from nbaccel.cli.flags import add_config_flags, explicit_values
-from nbaccel.config.resolve import resolve
+from nbaccel.cli.flags import add_config_flags, resolve_flags
 from nbaccel.launcher.run_folder import make_run_dir
 from nbaccel.launcher.script import run_script
 
@@ -48,9 +47,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve(
-        explicit_values(args), env=os.environ, config=args.config_file, defaults=SCRIPT_DEFAULTS
-    ).config
+    config = resolve_flags(args, os.environ, defaults=SCRIPT_DEFAULTS).config
     if not args.module and not Path(args.target).is_file():
         print(f"nbaccel: no script at {args.target!r} (use -m for a module).", file=sys.stderr)
         return 2

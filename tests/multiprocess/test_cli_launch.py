@@ -114,17 +114,27 @@ def test_two_launchers_as_two_machines(workdir: Path) -> None:
         "127.0.0.1",
         "--main_process_port",
         port,
-        "--num_processes",
-        "2",
         "--use_cpu",
         "true",
         "--rdzv_timeout",
         "120",
     ]
+    # The same job said both ways: 4 processes in all (Accelerate's meaning), or 2 per
+    # machine (torchrun's flag). Each machine must start 2 for the world to be 4.
+    counts = [["--num_processes", "4"], ["--nproc_per_node", "2"]]
     env = {**os.environ, "OUT_DIR": str(workdir), "HOME": str(workdir)}
     machines = [
         subprocess.Popen(
-            [sys.executable, "-m", "nbaccel.cli", *common, "--machine_rank", str(rank), "train.py"],
+            [
+                sys.executable,
+                "-m",
+                "nbaccel.cli",
+                *common,
+                *counts[rank],
+                "--machine_rank",
+                str(rank),
+                "train.py",
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
