@@ -11,7 +11,8 @@ XLA_STAMP := $(XLA_VENV)/.installed-stamp
 NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 
-.PHONY: demo test test-newest newest-venv lint unit multiprocess notebook browser xla bench clean
+.PHONY: demo test test-newest newest-venv lint unit multiprocess multihost notebook browser xla \
+	bench clean
 
 # Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
@@ -37,7 +38,7 @@ $(XLA_STAMP): pyproject.toml requirements/xla.txt
 demo: $(STAMP)
 	$(VENV)/bin/nbaccel demo
 
-test: lint unit multiprocess notebook browser xla
+test: lint unit multiprocess multihost notebook browser xla
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbaccel tests benchmarks
@@ -49,6 +50,12 @@ unit: $(STAMP)
 
 multiprocess: $(STAMP)
 	$(PY) -m pytest tests/multiprocess
+
+# Several machines over real SSH: Debian's sshd (installed by .ci/install-browser, a no-op
+# once there), started by the tests' fixture on 127.0.0.2 and 127.0.0.3. Seconds.
+multihost: $(STAMP)
+	.ci/install-browser
+	$(PY) -m pytest tests/multihost
 
 notebook: $(STAMP)
 	$(PY) -m pytest tests/notebook
@@ -70,7 +77,7 @@ xla: $(XLA_STAMP)
 # `make test-newest NEWEST_READY=1`.
 test-newest: $(if $(NEWEST_READY),,newest-venv)
 	@grep -iE '^(torch|cloudpickle|ipykernel|ipywidgets|accelerate|safetensors)==' $(NEWEST_VENV)/resolved.txt
-	$(NEWEST_PY) -m pytest tests/unit tests/multiprocess tests/notebook
+	$(NEWEST_PY) -m pytest tests/unit tests/multiprocess tests/multihost tests/notebook
 
 newest-venv:
 	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)
