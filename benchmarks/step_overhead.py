@@ -13,14 +13,24 @@ cross-entropy on fixed random data) is trained on 2 CPU processes (gloo) started
   which sends a metric to the parent (``run.metrics``); **nbaccel, no log** leaves ``log`` out;
 * **accelerate**: the same code with ``accelerate.Accelerator()`` (the worker checks that it
   reports MULTI_CPU with 2 processes and the launch's accumulation steps);
-* **nbaccel, breakdown off**: **nbaccel** with the step-time breakdown switched off
-  (``acc.strategy.step_timer.enabled = False``); it is on in every launched worker, so the
-  other nbaccel rows include it. The report gives its cost two ways: the paired median of
-  (on - off) / off per turn, and directly: rank 0 runs the marks of one step (a batch
-  requested and handed out, ``backward`` with the reduction watch, clipping, ``step``,
-  ``zero_grad``) around a tiny backward on a timer switched on and off, in thread CPU time
-  (min of 9 runs of 2,000 steps), as a share of the median nbaccel step. Goal <= 1 % of a
-  step (issue 16).
+The **step-time breakdown** (issue 16: at most 1 % of a step) is on in every launched worker,
+so the nbaccel rows include it. Its cost has its own launch per repetition: one **nbaccel**
+loop (the same model, loader and ``log`` every step) whose breakdown is switched on and off
+step by step (``acc.strategy.step_timer.enabled``), in rounds of three steps: **on**, **off**,
+**on again** (order rotated every round). The arms share every object (model, optimizer,
+loader, allocator and GC state): only the switch differs. Each step is timed on rank 0
+(``perf_counter``) and by both ranks' own main-thread CPU time (``thread_time``, summed), and
+compared with the other arms' steps of the same round, a few milliseconds apart: the drift of
+a shared machine cancels. **on vs off** is the cost; **on again vs on** is a null test (two
+identical arms) whose interval shows what the run can resolve. Both are the median of the
+per-round log ratios, with a 95 % bootstrap interval over the rounds; "us/step" is the paired
+median difference. Alternating single steps keeps the breakdown's real work per step (a
+step is closed at the next batch request, a window sent every 0.5 s of wall time). Rank 0
+also runs the marks of one step (a batch requested and handed out, ``backward`` with the
+reduction watch, clipping, ``step``, ``zero_grad``) around a tiny backward on a timer
+switched on and off, in thread CPU time (min of 9 runs of 2,000 steps): the marks alone, with
+warm caches (in a real loop each mark runs after the model's compute, with cold caches, so
+they cost more there: the paired figures are the honest ones).
 
 Gradient accumulation 4 (the launch's ``gradient_accumulation_steps``; steps are micro-steps)
 is measured with and without DDP's ``no_sync`` on the 3 micro-steps that do not step: raw DDP
@@ -45,8 +55,9 @@ DDP. On a shared 2-core machine one run's ratios still move by about +-0.02: com
 
 Usage::
 
-    python benchmarks/step_overhead.py               # 400 steps x 10 repetitions, 4-8 min
+    python benchmarks/step_overhead.py               # 400 steps x 10 repetitions, 5-8 min
     python benchmarks/step_overhead.py --quick       # smoke run, < 60 s
+    python benchmarks/step_overhead.py --variants 0 --breakdown-rounds 400  # the breakdown only
     python benchmarks/step_overhead.py --steps 600 --repeats 10 --hidden 512
 """
 
@@ -56,6 +67,8 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
+import random
 import statistics
 import sys
 import tempfile
@@ -79,9 +92,8 @@ VARIANTS: dict[str, tuple[str, int, bool, bool]] = {
     "nbaccel, accumulate() (syncs)": ("nbaccel", 4, False, True),
     "nbaccel, accumulate(model)": ("nbaccel", 4, True, True),
     "accelerate, accumulate(model)": ("accelerate", 4, True, True),
-    "nbaccel, breakdown off": ("nbaccel", 1, False, True),
 }
-BREAKDOWN_OFF = {"nbaccel, breakdown off"}  # variants that switch the step timer off
+BREAKDOWN_ARMS = ("on", "off", "on again")  # "on again": the null test against "on"
 REFERENCE = {1: "raw DDP", 4: "raw DDP, no_sync"}
 NO_SYNC_PAIRS = (
     ("raw DDP, sync every micro-step", "raw DDP, no_sync"),
@@ -93,8 +105,9 @@ Step = Callable[[Any, Any, int], None]
 # --------------------------------------------------------------------------- worker side
 
 
-def make_variant(name: str, data: Any, hidden: int) -> tuple[Step, Any, str]:
-    """The step function, batch iterator and self-report of one variant, freshly built."""
+def make_variant(name: str, data: Any, hidden: int) -> tuple[Step, Any, str, Any]:
+    """The step function, batch iterator, self-report and step timer (nbaccel's; else None)
+    of one variant, freshly built."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -120,15 +133,14 @@ def make_variant(name: str, data: Any, hidden: int) -> tuple[Step, Any, str]:
                 optimizer.step()
                 optimizer.zero_grad()
 
-        return raw_step, iter(loader), ""
+        return raw_step, iter(loader), "", None
     if framework == "nbaccel":
         from nbaccel import Accelerator
     else:
         from accelerate import Accelerator  # type: ignore[import-untyped]
     acc = Accelerator()  # accumulation steps come from the launch, as in a notebook
-    if name in BREAKDOWN_OFF:
-        acc.strategy.step_timer.enabled = False
-    elif framework == "nbaccel" and not acc.strategy.step_timer.enabled:
+    timer = acc.strategy.step_timer if framework == "nbaccel" else None
+    if timer is not None and not timer.enabled:
         raise RuntimeError(f"{name}: the step-time breakdown should be on in a launched worker")
     kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
     seen = (kind, acc.num_processes, acc.gradient_accumulation_steps)
@@ -147,25 +159,30 @@ def make_variant(name: str, data: Any, hidden: int) -> tuple[Step, Any, str]:
         if log:
             acc.log({"loss": loss.item()})
 
-    return step, iter(loader), "{}, {} processes, accumulation {}".format(*seen)
+    return step, iter(loader), "{}, {} processes, accumulation {}".format(*seen), timer
+
+
+def dataset(steps: int) -> Any:
+    """Fixed random samples for ``steps`` steps of every rank."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    samples = steps * BATCH * WORLD_SIZE
+    return TensorDataset(
+        torch.randn(samples, IN, generator=generator),
+        torch.randint(0, CLASSES, (samples,), generator=generator),
+    )
 
 
 def train(names: list[str], steps: int, warmup: int, block: int, hidden: int) -> dict[str, Any]:
     """All ``names`` in turns of ``block`` steps; rank 0's seconds per variant and turn."""
-    import torch
     import torch.distributed as dist
-    from torch.utils.data import TensorDataset
 
-    generator = torch.Generator().manual_seed(0)
-    samples = (warmup + steps) * BATCH * WORLD_SIZE
-    data = TensorDataset(
-        torch.randn(samples, IN, generator=generator),
-        torch.randint(0, CLASSES, (samples,), generator=generator),
-    )
+    data = dataset(warmup + steps)
     built = {name: make_variant(name, data, hidden) for name in names}
     done = dict.fromkeys(names, 0)
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}  # rank 0's thread CPU time
 
     def run(name: str, count: int) -> None:
         step, batches = built[name][:2]
@@ -176,18 +193,44 @@ def train(names: list[str], steps: int, warmup: int, block: int, hidden: int) ->
 
     for name in names:
         run(name, warmup)
-    cost = marks_cost() if any(name in BREAKDOWN_OFF for name in names) else None
     for turn in range(steps // block):
         shift = turn % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            started, cpu_started = time.perf_counter(), time.thread_time()
+            started = time.perf_counter()
             run(name, block)
-            cpu[name].append(time.thread_time() - cpu_started)
             dist.barrier()
             seconds[name].append(time.perf_counter() - started)
-    info = {name: built[name][2] for name in names}
-    return {"seconds": seconds, "cpu": cpu, "info": info, "marks_us": cost}
+    return {"seconds": seconds, "info": {name: built[name][2] for name in names}}
+
+
+def breakdown_steps(rounds: int, warmup: int, hidden: int) -> dict[str, Any]:
+    """One nbaccel loop, its breakdown switched per step: ``BREAKDOWN_ARMS`` in rounds (order
+    rotated); per arm and round, rank 0's wall seconds and both ranks' main-thread CPU."""
+    import torch.distributed as dist
+
+    arms = list(BREAKDOWN_ARMS)
+    step, batches, _info, timer = make_variant("nbaccel", dataset(warmup + rounds * 3), hidden)
+    wall: dict[str, list[float]] = {arm: [] for arm in arms}
+    cpu: dict[str, list[float]] = {arm: [] for arm in arms}
+    for index in range(warmup):
+        step(*next(batches), index)
+    dist.barrier()  # no barrier per step: DDP's all-reduce keeps the ranks in step
+    for turn in range(rounds):
+        shift = turn % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            timer.enabled = arm != "off"  # before the batch request: the whole step is one arm's
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            step(*next(batches), warmup + turn)
+            cpu[arm].append(time.thread_time() - cpu_started)
+            wall[arm].append(time.perf_counter() - started)
+    timer.enabled = True
+    ranks_cpu: list[Any] = [None] * WORLD_SIZE
+    dist.all_gather_object(ranks_cpu, cpu)
+    summed = {
+        arm: [sum(step) for step in zip(*(r[arm] for r in ranks_cpu), strict=True)] for arm in arms
+    }
+    return {"wall": wall, "cpu": summed, "marks_us": marks_cost()}
 
 
 def marks_cost(runs: int = 9, steps: int = 2000) -> float:
@@ -227,38 +270,50 @@ def marks_cost(runs: int = 9, steps: int = 2000) -> float:
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """Per variant, the seconds of each turn, repetition after repetition; self-reports."""
+    """Per variant, the seconds of each turn, repetition after repetition; self-reports; per
+    breakdown arm, the seconds (wall, CPU) of each step, repetition after repetition."""
     import nbaccel
 
     seconds: dict[str, list[list[float]]] = {name: [] for name in args.variants}
     info: dict[str, str] = {}
-    marks_us: list[float] = []
-    cpu: dict[str, list[list[float]]] = {name: [] for name in args.variants}
+    breakdown: dict[str, Any] = {"wall": {}, "cpu": {}, "marks_us": []}
     sections = sorted({VARIANTS[name][1] for name in args.variants})
     with tempfile.TemporaryDirectory(prefix="step_overhead-") as runs_dir:
+
+        def launch(what: str, function: Callable[..., Any], *arguments: Any, **config: Any) -> Any:
+            print(f"repetition {what}", file=sys.stderr, flush=True)
+            return nbaccel.notebook_launcher(
+                function,
+                args=arguments,
+                num_processes=WORLD_SIZE,
+                runs_dir=runs_dir,
+                log_ranks="0",
+                **config,
+            )
+
         for repeat in range(args.repeats):
             for accumulation in sections:
                 names = [n for n in args.variants if VARIANTS[n][1] == accumulation]
-                print(
-                    f"repetition {repeat + 1}/{args.repeats}, accumulation {accumulation}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                result = nbaccel.notebook_launcher(
+                result = launch(
+                    f"{repeat + 1}/{args.repeats}, accumulation {accumulation}",
                     train,
-                    args=(names, args.steps, args.warmup, args.block, args.hidden),
-                    num_processes=WORLD_SIZE,
-                    runs_dir=runs_dir,
-                    log_ranks="0",
+                    *(names, args.steps, args.warmup, args.block, args.hidden),
                     gradient_accumulation_steps=accumulation,
                 )
                 for name in names:
                     seconds[name].append(result["seconds"][name])
-                    cpu[name].append(result["cpu"][name])
                 info.update(result["info"])
-                if result["marks_us"] is not None:
-                    marks_us.append(result["marks_us"])
-    return {"seconds": seconds, "cpu": cpu, "info": info, "marks_us": marks_us}
+            if args.breakdown_rounds:
+                result = launch(
+                    f"{repeat + 1}/{args.repeats}, step-time breakdown on/off",
+                    breakdown_steps,
+                    *(args.breakdown_rounds, args.warmup, args.hidden),
+                )
+                for clock in ("wall", "cpu"):
+                    for arm, times in result[clock].items():
+                        breakdown[clock].setdefault(arm, []).append(times)
+                breakdown["marks_us"].append(result["marks_us"])
+    return {"seconds": seconds, "info": info, "breakdown": breakdown}
 
 
 def paired(a: list[list[float]], b: list[list[float]], how: Callable[..., float]) -> float:
@@ -303,47 +358,86 @@ def format_report(data: dict[str, Any], steps: int, block: int) -> list[str]:
         ratio = paired(seconds["raw DDP"], seconds["nbaccel"], lambda raw, ours: raw / ours)
         verdict = "PASS" if ratio >= GOAL else "MISS"
         lines.append(f"goal: nbaccel >= {GOAL} x raw DDP steps/s: {ratio:.3f}  {verdict}")
-    lines += breakdown_report(seconds, data.get("cpu", {}), block, data.get("marks_us", []))
+    lines += breakdown_report(data["breakdown"], seconds)
     return lines
 
 
-def breakdown_report(
-    seconds: dict[str, list[list[float]]],
-    cpu: dict[str, list[list[float]]],
-    block: int,
-    marks_us: list[float],
-) -> list[str]:
-    """The step-time breakdown's cost (nbaccel on vs off: paired turns in wall and in rank
-    0's CPU time, and the marks measured directly), and nbaccel with it against Accelerate."""
-    on, off = seconds.get("nbaccel"), seconds.get("nbaccel, breakdown off")
-    if on is None or off is None:
+def breakdown_report(data: dict[str, Any], seconds: dict[str, list[list[float]]]) -> list[str]:
+    """The step-time breakdown's cost: on vs off and the null test (on again vs on), paired
+    per round, in rank 0's wall time and both ranks' CPU time; the marks alone; the goal."""
+    wall, cpu = data["wall"], data["cpu"]
+    if not wall:
         return []
-    cost = paired(on, off, lambda with_, without: with_ / without - 1)
-    extra = paired(on, off, lambda with_, without: (with_ - without) / block * 1e6)
-    step_us = statistics.median(itertools.chain(*on)) / block * 1e6
-    direct = statistics.median(marks_us) if marks_us else float("nan")
-    verdict = "PASS" if direct / step_us <= BREAKDOWN_GOAL else "MISS"
+    rounds = len(list(itertools.chain(*wall["on"])))
+    step_us = statistics.median(itertools.chain(*wall["off"])) * 1e6
     lines = [
-        f"step-time breakdown, paired turns on vs off: {extra:+.0f} us/step, "
-        f"{100 * cost:+.2f} % of a step",
+        "",
+        f"step-time breakdown, switched per step in one nbaccel loop ({rounds} rounds of"
+        f" {', '.join(BREAKDOWN_ARMS)}); paired medians, [95 % bootstrap interval]:",
     ]
-    cpu_on, cpu_off = cpu.get("nbaccel"), cpu.get("nbaccel, breakdown off")
-    if cpu_on and cpu_off:
-        cpu_cost = paired(cpu_on, cpu_off, lambda with_, without: with_ / without - 1)
-        cpu_extra = paired(cpu_on, cpu_off, lambda a, b: (a - b) / block * 1e6)
+    costs: dict[str, Interval] = {}
+    for clock, what in (("wall", "rank 0's wall time"), ("cpu", "both ranks' CPU time")):
+        times = data[clock]
+        cost = paired_change(times, "on", "off")
+        null = paired_change(times, "on again", "on")
+        extra = paired_difference(times, "on", "off") * 1e6
+        costs[clock] = cost
+        per_rank = f", {extra / WORLD_SIZE:+.0f} us per rank" if clock == "cpu" else ""
         lines.append(
-            f"step-time breakdown, paired turns on vs off in rank 0's CPU time: "
-            f"{cpu_extra:+.0f} us/step, {100 * cpu_cost:+.2f} %"
+            f"  {what + ':':<22} on vs off {cost}  ({extra:+.0f} us/step{per_rank});"
+            f"  null test, on again vs on {null}"
         )
+    cpu_us = paired_difference(cpu, "on", "off") * 1e6 / WORLD_SIZE
+    marks = statistics.median(data["marks_us"])
     lines += [
-        f"step-time breakdown, its marks measured directly: {direct:.1f} us of CPU per step, "
-        f"{100 * direct / step_us:.2f} % of nbaccel's median step ({step_us:.0f} us); "
-        f"goal <= {100 * BREAKDOWN_GOAL:.0f} %  {verdict}",
+        f"  a rank's extra CPU per step over the wall step ({step_us:.0f} us, off):"
+        f" {100 * cpu_us / step_us:+.2f} %",
+        f"  the marks alone, warm caches (rank 0): {marks:.1f} us of CPU per step,"
+        f" {100 * marks / step_us:.2f} % of the wall step",
+        f"goal: the breakdown costs <= {100 * BREAKDOWN_GOAL:.0f} % of a step (wall, on vs off):"
+        f" {costs['wall'].verdict(BREAKDOWN_GOAL)}",
     ]
-    if "accelerate" in seconds:
-        ahead = paired(seconds["accelerate"], on, lambda theirs, ours: theirs / ours)
-        lines.append(f"nbaccel with the breakdown vs accelerate: {ahead:.3f} x steps/s")
+    if "accelerate" in seconds and "nbaccel" in seconds:
+        ahead = paired(seconds["accelerate"], seconds["nbaccel"], lambda them, us: them / us)
+        lines.append(f"nbaccel (breakdown on) vs accelerate: {ahead:.3f} x steps/s")
     return lines
+
+
+class Interval:
+    """A paired median change with its 95 % bootstrap interval (fractions: 0.01 = +1 %)."""
+
+    def __init__(self, pairs: list[float], resamples: int = 1000) -> None:
+        # Log ratios: symmetric for faster and slower, and their median maps back exactly.
+        self.median = statistics.median(pairs)
+        draw = random.Random(0)
+        medians = sorted(
+            statistics.median(draw.choices(pairs, k=len(pairs))) for _ in range(resamples)
+        )
+        self.low = medians[int(0.025 * resamples)]
+        self.high = medians[int(0.975 * resamples)]
+
+    def __str__(self) -> str:
+        low, median, high = (100 * math.expm1(x) for x in (self.low, self.median, self.high))
+        return f"{median:+.2f} % [{low:+.2f}, {high:+.2f}]"
+
+    def verdict(self, goal: float) -> str:
+        high, low = math.expm1(self.high), math.expm1(self.low)
+        if high <= goal:
+            return f"PASS (the interval ends at {100 * high:+.2f} %)"
+        if low > goal:
+            return f"MISS (the interval starts at {100 * low:+.2f} %)"
+        return f"NOT RESOLVED (the interval {self} contains {100 * goal:.0f} %)"
+
+
+def paired_change(times: dict[str, list[list[float]]], arm: str, reference: str) -> Interval:
+    """``arm`` against ``reference`` in the same round: log ratios, every repetition's."""
+    pairs = zip(itertools.chain(*times[arm]), itertools.chain(*times[reference]), strict=True)
+    return Interval([math.log(a / b) for a, b in pairs])
+
+
+def paired_difference(times: dict[str, list[list[float]]], arm: str, reference: str) -> float:
+    """Median extra seconds of ``arm`` over ``reference`` in the same round."""
+    return paired(times[arm], times[reference], lambda a, b: a - b)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -353,18 +447,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps per variant first (20)")
     parser.add_argument("--block", type=int, default=20, help="steps per turn (20)")
     parser.add_argument("--hidden", type=int, default=256, help="MLP width (256)")
+    parser.add_argument(
+        "--breakdown-rounds",
+        type=int,
+        help="rounds of the breakdown's on / off / on again steps per repetition (200; 0: none)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 80 steps x 2")
     numbered = ", ".join(f"{i} {name}" for i, name in enumerate(VARIANTS, 1))
-    parser.add_argument("--variants", help=f"comma list of numbers (default all): {numbered}")
+    parser.add_argument(
+        "--variants", help=f"comma list of numbers (default all; 'none'): {numbered}"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the seconds of every turn here")
     args = parser.parse_args(argv)
     args.steps = args.steps or (80 if args.quick else 400)
     args.repeats = args.repeats or (2 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (8 if args.quick else 20)
+    if args.breakdown_rounds is None:
+        args.breakdown_rounds = 30 if args.quick else 200
     if args.steps % args.block or args.block % 4 or args.warmup % 4:
         parser.error("--block and --warmup must be multiples of 4, --steps one of --block")
     names = list(VARIANTS)
     picked = args.variants.split(",") if args.variants else range(1, len(names) + 1)
+    picked = [] if args.variants == "none" else picked
     args.variants = [names[int(number) - 1] for number in picked]
     return args
 
@@ -376,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"Training-step throughput, {WORLD_SIZE} CPU processes (gloo), MLP {IN}-{args.hidden}x3-"
         f"{CLASSES}, batch {BATCH}/rank, AdamW; {args.warmup} warm-up steps, turns of"
-        f" {args.block} steps, medians of {args.repeats} repetitions"
+        f" {args.block} steps, medians of {args.repeats} repetitions; breakdown:"
+        f" {args.breakdown_rounds} rounds per repetition"
         f" ({time.perf_counter() - started:.0f} s in all)"
     )
     print("\n".join(format_report(data, args.steps, args.block)))
