@@ -45,11 +45,16 @@ class RunStarted:
 
 @dataclass(frozen=True)
 class WorkerStarted:
-    """A worker process is up (before the function runs): its pid, for memory readings."""
+    """A worker process is up (before the function runs): its pid, for memory readings.
+
+    ``host``: where it runs on a several-machine launch (the name the launch was given);
+    None on this machine. A pid on another host means nothing here.
+    """
 
     rank: int
     pid: int
     time: float
+    host: str | None = None
 
 
 @dataclass(frozen=True)

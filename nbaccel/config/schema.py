@@ -79,6 +79,18 @@ class Config:
         minimum=1,
         maximum=65535,
     )
+    hosts: tuple[str, ...] = schema_field(
+        (),
+        "Run on these machines from this process, one nbaccel agent each over SSH: host "
+        "names (as ssh reaches them), or one entry that is 'slurm' (the allocation this runs "
+        "in) or a hostfile (DeepSpeed's format: 'node1 slots=4'). Empty: this machine.",
+    )
+    ssh_options: str = schema_field(
+        "", "Extra ssh arguments for hosts, as on a command line (e.g. '-F ~/.ssh/cluster')."
+    )
+    remote_python: str = schema_field(
+        "", "The Python to run on hosts (default: this interpreter's path, the same on each)."
+    )
     use_cpu: bool = schema_field(
         False,
         "Run CPU processes (gloo) even when GPUs are present.",
@@ -304,6 +316,7 @@ def _check_consistency(config: Config) -> None:
             field="machine_rank",
         )
     _check_process_split(config)
+    _check_hosts(config)
     if config.strategy == "deepspeed" and config.use_cpu:
         raise ConfigError(
             "strategy='deepspeed' needs CUDA GPUs, but use_cpu=True. Use strategy='fsdp' "
@@ -335,6 +348,26 @@ def _check_consistency(config: Config) -> None:
             "strategy='xla' runs on TPUs; use_cpu=True asks for CPU processes. Choose one.",
             field="strategy",
         )
+
+
+def _check_hosts(config: Config) -> None:
+    """``hosts`` drives every machine from here; the other ways to several machines, and
+    what needs this machine only, do not mix with it."""
+    if not config.hosts:
+        return
+    clash = (
+        ("num_machines", config.num_machines > 1, "each machine's own launcher joins the job"),
+        ("detach", config.detach, "a detached run's supervisor runs on this machine only"),
+        ("strategy", config.strategy == "xla", "TPU hosts launch through torch_xla"),
+    )
+    for name, present, why in clash:
+        if present:
+            raise ConfigError(
+                f"hosts={list(config.hosts)} starts every machine's workers from here, but "
+                f"{name}={getattr(config, name)!r} asks for a launch where {why}. Use one: "
+                f"hosts alone, or leave hosts empty.",
+                field="hosts",
+            )
 
 
 def _check_process_split(config: Config) -> None:

@@ -9,7 +9,6 @@ and whether the function and its arguments can be pickled.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import secrets
 import socket
@@ -21,7 +20,6 @@ from typing import Any
 
 from nbaccel.config.accelerate_compat import accelerate_env
 from nbaccel.config.deepspeed import deepspeed_config
-from nbaccel.config.files import as_nested
 from nbaccel.config.launcher_keywords import from_accelerate_keywords
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
 from nbaccel.config.schema import Config
@@ -31,10 +29,11 @@ from nbaccel.errors import ConfigError
 from nbaccel.launcher import checks
 from nbaccel.launcher.detached import start_detached
 from nbaccel.launcher.helper import shared_helper
+from nbaccel.launcher.hosts_launch import place_on_hosts, start_on_hosts
 from nbaccel.launcher.payload import build_payload
 from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.run import Run
-from nbaccel.launcher.run_folder import make_run_dir, private_file
+from nbaccel.launcher.run_folder import make_run_dir, write_config
 from nbaccel.xla_plan import XlaPlan, plan_xla, uses_xla, xla_worker_env
 
 
@@ -56,6 +55,8 @@ def start(
     the returned run is attached to it.
     """
     planned = plan(function, args, num_processes, kwargs, config, overrides)
+    if planned.placement is not None:
+        return start_on_hosts(planned, show=show)
     if planned.resolved.config.detach:
         return start_detached(planned, show=show)
     return start_planned(planned, show=show)
@@ -75,12 +76,20 @@ def plan(
     explicit = from_accelerate_keywords(overrides)  # use_port=, num_nodes=, ... as Accelerate's
     if num_processes is not None:
         explicit["num_processes"] = num_processes
+    if isinstance(explicit.get("hosts"), (str, list)):  # hosts="hostfile" or a list
+        hosts = explicit["hosts"]
+        explicit["hosts"] = (hosts,) if isinstance(hosts, str) else tuple(hosts)
     resolved = resolve(explicit, env=os.environ, config=config)
-    checks.check_one_machine(resolved)
-    xla = plan_xla_launch(resolved.config, os.environ)
-    # Counted once: NVML is slow. A torch_xla launch runs on TPU (or XLA's CPU device).
-    gpus = 0 if resolved.config.use_cpu or xla else visible_gpu_count(os.environ)
-    world_size = xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, gpus)
+    placement, xla, gpus = None, None, 0
+    if resolved.config.hosts:  # several machines from here: every host checked over SSH
+        placement = place_on_hosts(resolved.config, os.environ)
+        world_size = sum(placement.shares)
+    else:
+        checks.check_one_machine(resolved)
+        xla = plan_xla_launch(resolved.config, os.environ)
+        # Counted once: NVML is slow. A torch_xla launch runs on TPU (or XLA's CPU device).
+        gpus = 0 if resolved.config.use_cpu or xla else visible_gpu_count(os.environ)
+        world_size = xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, gpus)
     checks.check_log_ranks(resolved.config, world_size)
     checks.check_project_dir(resolved.config)
     return Planned(
@@ -92,6 +101,7 @@ def plan(
         payload=build_payload(function, tuple(args), kwargs or {}, resolved.config),
         env=dict(os.environ),
         cwd=os.getcwd(),
+        placement=placement,
     )
 
 
@@ -129,7 +139,7 @@ def start_planned(planned: Planned, *, show: Display) -> Run:
         raise
     with tempfile.TemporaryFile() as payload_file, listener:
         helper = shared_helper()  # started on first use; it imports torch while we go on
-        _write_config(run_dir, resolved)
+        write_config(run_dir, resolved)
         run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
         show(run, gpus)
         payload_file.write(planned.payload)
@@ -260,9 +270,3 @@ def _contexts(run_id: str, world_size: int, port: int, run_dir: Path) -> list[Pr
         )
         for rank in range(world_size)
     ]
-
-
-def _write_config(run_dir: Path, resolved: Resolved) -> None:
-    record = {"config": as_nested(resolved.config), "sources": dict(resolved.sources)}
-    with private_file(run_dir / "config.json") as file:
-        file.write(json.dumps(record, indent=2) + "\n")

@@ -49,14 +49,24 @@ def build_error(
     collective_timeout: float,
     stuck_ranks: Sequence[int] = (),
     stuck_logs: Mapping[int, str] | None = None,
+    host: str | None = None,
 ) -> BaseException:
-    """The exception the parent raises, with the worker traceback chained as ``__cause__``."""
+    """The exception the parent raises, with the worker traceback chained as ``__cause__``.
+
+    ``host``: where the failing rank ran, on several machines (named in the message).
+    """
     if failure.error is not None:
         return failure.error
     report = failure.report
     if report is None:
-        return describe_exit(failure.rank, failure.exitcode if failure.exitcode is not None else 1)
-    remote = RemoteTraceback(f"Traceback from rank {failure.rank}:\n{report['traceback']}")
+        exited = describe_exit(
+            failure.rank, failure.exitcode if failure.exitcode is not None else 1
+        )
+        if host is not None:
+            exited.args = (f"{exited.args[0]} It ran on host {host}.",)
+        return exited
+    at = f" on host {host}" if host is not None else ""
+    remote = RemoteTraceback(f"Traceback from rank {failure.rank}{at}:\n{report['traceback']}")
     if failure.cause == "timeout":
         error: BaseException = _timeout_error(
             failure, collective_timeout, stuck_ranks, stuck_logs or {}
@@ -69,9 +79,9 @@ def build_error(
         )
         original = _original_exception(report)
         if original is not None:
-            _name_rank(original, failure.rank, world_size)
+            _name_rank(original, failure.rank, world_size, at)
         error = original or WorkerError(
-            f"rank {failure.rank} {what}", rank=failure.rank, exc_type=report["type"]
+            f"rank {failure.rank}{at} {what}", rank=failure.rank, exc_type=report["type"]
         )
     error.__cause__ = remote
     return error
@@ -114,10 +124,10 @@ def _original_exception(report: Mapping[str, Any]) -> BaseException | None:
     return error if isinstance(error, Exception) else None
 
 
-def _name_rank(error: BaseException, rank: int, world_size: int) -> None:
+def _name_rank(error: BaseException, rank: int, world_size: int, at: str) -> None:
     if len(error.args) == 1 and isinstance(error.args[0], str):
-        error.args = (f"[rank {rank}] {error.args[0]}",)
-    note = f"[nbaccel] raised on rank {rank} of {world_size}; the worker's traceback is above."
+        error.args = (f"[rank {rank}{at}] {error.args[0]}",)
+    note = f"[nbaccel] raised on rank {rank} of {world_size}{at}; the worker's traceback is above."
     if hasattr(error, "add_note"):
         error.add_note(note)
     try:

@@ -18,15 +18,14 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from nbaccel.config.resolve import PREWARM_VAR
 from nbaccel.errors import HelperError
 from nbaccel.launcher import control
-
-HelperListener = Callable[[dict[str, Any]], None]
+from nbaccel.launcher.starter import StarterListener
 
 
 class HelperProcess:
@@ -63,7 +62,7 @@ class HelperProcess:
         finally:
             helper_end.close()
         self._send_lock = threading.Lock()
-        self._listeners: dict[str, HelperListener] = {}
+        self._listeners: dict[str, StarterListener] = {}
         self._listeners_lock = threading.Lock()
         self._failure: str | None = None
         self._alive = True
@@ -83,7 +82,7 @@ class HelperProcess:
         """Wait until the helper has preloaded torch (or failed, or exited); True if ready."""
         return self._answered.wait(timeout) and self._alive and self._failure is None
 
-    def subscribe(self, run_id: str, listener: HelperListener) -> None:
+    def subscribe(self, run_id: str, listener: StarterListener) -> None:
         with self._listeners_lock:
             self._listeners[run_id] = listener
 
@@ -98,6 +97,9 @@ class HelperProcess:
     def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
         """Send ``signum`` to the process groups of a run's live workers."""
         self._send({"op": "signal", "run": run_id, "signal": int(signum), "ranks": ranks})
+
+    def host_of(self, rank: int) -> str | None:
+        return None  # every worker runs on this machine
 
     def close(self) -> None:
         """Stop the helper: it kills its workers and exits when the socket closes."""

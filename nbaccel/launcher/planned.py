@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nbaccel.config.resolve import Resolved
+from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.xla_plan import XlaPlan
 
 if TYPE_CHECKING:
@@ -21,6 +22,16 @@ if TYPE_CHECKING:
 # What shows a run (the widget dashboard, or text): called once with the run and the number
 # of GPUs it uses, before its workers start. Chosen by the entry points above the launcher.
 Display = Callable[["Run", int], None]
+
+
+@dataclass(frozen=True)
+class HostPlacement:
+    """Where a several-machine launch runs (``hosts``): each host's share of the processes,
+    and how a command runs there (ssh or srun, with the Python to run)."""
+
+    hosts: tuple[str, ...]
+    shares: tuple[int, ...]
+    shell: RemoteShell
 
 
 @dataclass(frozen=True)
@@ -35,3 +46,4 @@ class Planned:
     payload: bytes  # what every worker reads: function, args, config (payload.py)
     env: dict[str, str]  # the launching process's environment, the base of each worker's
     cwd: str
+    placement: HostPlacement | None = None  # several machines (hosts=...); None: this one

@@ -1,7 +1,8 @@
 """Text output of a run: the shown ranks' lines, labelled, with ``\\r`` progress bars kept.
 
 Used outside Jupyter, without ipywidgets, and as the dashboard's fallback. Rank 0 is
-printed bare; other ranks get a ``[rank N]`` label. At the end, one line sums up the step
+printed bare; other ranks get a ``[rank N]`` label (``[host:rank N]`` on several machines,
+rank 0's too). At the end, one line sums up the step
 time (where it went, throughput, the straggler) when the workers sent a breakdown.
 """
 
@@ -9,7 +10,15 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from nbaccel.events import Event, LogLine, RunEnded, RunState, SettingsApplied, StepBreakdown
+from nbaccel.events import (
+    Event,
+    LogLine,
+    RunEnded,
+    RunState,
+    SettingsApplied,
+    StepBreakdown,
+    WorkerStarted,
+)
 from nbaccel.metrics import StepBoard
 
 
@@ -26,12 +35,17 @@ class TextPrinter:
         # +10 % of a core in the kernel). Terminals and pipes are flushed per line.
         self._flush_per_line = not hasattr(stream, "flush_interval")
         self._steps = StepBoard()
+        self._hosts: dict[int, str] = {}  # rank -> host, on several machines
 
     def __call__(self, event: Event) -> None:
-        if isinstance(event, LogLine):
+        if isinstance(event, WorkerStarted) and event.host is not None:
+            self._hosts[event.rank] = event.host
+        elif isinstance(event, LogLine):
             if self._ranks is not None and event.rank not in self._ranks:
                 return
-            label = f"[rank {event.rank}] " if event.rank != 0 else ""
+            host = self._hosts.get(event.rank)
+            label = f"[{host}:rank {event.rank}] " if host else ""
+            label = label or (f"[rank {event.rank}] " if event.rank != 0 else "")
             text = label + event.text
             if event.replace and self._open_rank == event.rank:
                 self._stream.write("\r" + text)

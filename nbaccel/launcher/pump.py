@@ -41,9 +41,9 @@ from nbaccel.events import (
 )
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.failures import Failure, build_error
-from nbaccel.launcher.helper import HelperProcess
 from nbaccel.launcher.output import LineSplitter, render
 from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
 
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
@@ -90,7 +90,7 @@ class RunPump:
     _drain_deadline: float | None
     _error: BaseException | None
     _started: float
-    _helper: HelperProcess | None
+    _helper: WorkerStarter | None
     _events_file: Any
 
     def logs(self, rank: int = 0) -> str:
@@ -179,7 +179,8 @@ class RunPump:
         kind = message["kind"]
         if kind == "started":
             r.pid = message["pid"]
-            self._emit(WorkerStarted(r.rank, message["pid"], message["time"]))
+            host = self._helper.host_of(r.rank) if self._helper is not None else None
+            self._emit(WorkerStarted(r.rank, message["pid"], message["time"], host))
         elif kind == "device_memory":  # torch_xla workers read their own device
             self._emit(
                 DeviceMemory(
@@ -287,6 +288,7 @@ class RunPump:
                 collective_timeout=self.config.collective_timeout,
                 stuck_ranks=stuck,
                 stuck_logs=stuck_logs,
+                host=self._helper.host_of(culprit.rank) if self._helper is not None else None,
             )
             state = RunState.FAILED
         elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks):

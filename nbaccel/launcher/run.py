@@ -21,9 +21,9 @@ from nbaccel.config.schema import Config
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter
-from nbaccel.launcher.helper import HelperProcess
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber, read_metrics
 from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
 
 
@@ -70,7 +70,7 @@ class Run(RunPump):
         self._error: BaseException | None = None
         self._results_cache: dict[int, Any] = {}
         self._started = time.monotonic()
-        self._helper: HelperProcess | None = None
+        self._helper: WorkerStarter | None = None
         self._events_file: Any = None
 
     # ----- public API -------------------------------------------------------------
@@ -156,7 +156,11 @@ class Run(RunPump):
 
     # ----- start-up (called by the launcher) --------------------------------------
     def start(
-        self, helper: HelperProcess, requests: list[dict[str, Any]], payload_fd: int, listen_fd: int
+        self,
+        helper: WorkerStarter,
+        requests: list[dict[str, Any]],
+        payload_fd: int,
+        listen_fd: int | None,
     ) -> None:
         self._helper = helper
         # Block-buffered, flushed once per pump wake-up: a write call per line cost ~40 us of
@@ -171,7 +175,8 @@ class Run(RunPump):
                 rank = request["context"].rank
                 log_write, event_write = self._open_rank(rank)
                 child_fds += [log_write, event_write]
-                fds = [payload_fd, log_write, event_write] + ([listen_fd] if rank == 0 else [])
+                rendezvous = [listen_fd] if rank == 0 and listen_fd is not None else []
+                fds = [payload_fd, log_write, event_write, *rendezvous]
                 helper.spawn({**request, "run": self.run_id, "rank": rank}, fds)
                 os.close(log_write)
                 os.close(event_write)
@@ -191,7 +196,7 @@ class Run(RunPump):
         threading.Thread(target=self._pump, name=f"nbaccel-run-{self.run_id}", daemon=True).start()
 
     def _start_supervisor(
-        self, helper: HelperProcess, requests: list[dict[str, Any]], payload_fd: int
+        self, helper: WorkerStarter, requests: list[dict[str, Any]], payload_fd: int
     ) -> None:
         """One process for every rank: torch_xla starts the workers (xla_supervisor.py)."""
         fds = [payload_fd]

@@ -8,10 +8,13 @@ user's own outputs (checkpoints, trackers' files under ``project_dir``) keep the
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import IO, Any
 
+from nbaccel.config.files import as_nested
+from nbaccel.config.resolve import Resolved
 from nbaccel.errors import ConfigError
 
 
@@ -39,3 +42,10 @@ def private_file(path: Path, mode: str = "w") -> IO[Any]:
     fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
     buffering = 0 if "b" in mode else -1
     return os.fdopen(fd, mode, buffering=buffering)
+
+
+def write_config(run_dir: Path, resolved: Resolved) -> None:
+    """``config.json``: the run's resolved config and where each value came from."""
+    record = {"config": as_nested(resolved.config), "sources": dict(resolved.sources)}
+    with private_file(run_dir / "config.json") as file:
+        file.write(json.dumps(record, indent=2) + "\n")

@@ -116,6 +116,7 @@ class DashboardModel:
         self._progress_times: deque[tuple[float, int]] = deque()
         self.config: Config | None = None  # set by for_config: the memory estimate needs it
         self.settings_sources: dict[str, str] = {}  # what rank 0's Accelerator changed, why
+        self.hosts: dict[int, str] = {}  # rank -> host, on several machines
         self.estimate: MemoryEstimate | None = None  # per device, once rank 0 prepared a model
 
     @classmethod
@@ -142,7 +143,10 @@ class DashboardModel:
         elif isinstance(event, Metric):
             self._on_metric(event)
         elif isinstance(event, WorkerStarted):
-            self.pids[event.rank] = event.pid
+            if event.host is None:  # a pid on another host is not read here
+                self.pids[event.rank] = event.pid
+            else:
+                self.hosts[event.rank] = event.host
         elif isinstance(event, SettingsApplied):
             # The Accelerator's plugins or arguments changed what runs: the header (and the
             # memory estimate) follow the worker's settings, not the launch's.

@@ -49,6 +49,9 @@ BASE = (
 WORKER_SIDE_LAUNCHER = (
     "nbaccel.launcher.worker",
     "nbaccel.launcher.worker_bootstrap",
+    "nbaccel.launcher.agent_main",
+    "nbaccel.launcher.agent_run",
+    "nbaccel.launcher.agent_worker",
     "nbaccel.launcher.xla_worker",
     "nbaccel.launcher.xla_supervisor",
     "nbaccel.launcher.device_memory",

@@ -183,3 +183,22 @@ def test_arbiter_blames_the_peer_report_when_nobody_else_reports() -> None:
     signals = a.due(now=PEER_PATIENCE_SECONDS, live=[0, 1], everyone_exited=False)
     assert a.culprit is not None and a.culprit.rank == 0
     assert signals == [(signal.SIGTERM, None)]
+
+
+def test_on_several_machines_the_failing_rank_is_named_with_its_host() -> None:
+    raised = build_error(
+        Failure(3, "error", 0.0, report=report(CellError("bad batch"))),
+        world_size=4,
+        collective_timeout=30,
+        host="node2",
+    )
+    assert str(raised) == "[rank 3 on host node2] bad batch"
+    assert "Traceback from rank 3 on host node2" in str(raised.__cause__)
+    assert any("rank 3 of 4 on host node2" in note for note in raised.__notes__)
+    killed = build_error(
+        Failure(2, "exit", 0.0, exitcode=-signal.SIGKILL),
+        world_size=4,
+        collective_timeout=1,
+        host="node2",
+    )
+    assert str(killed).startswith("rank 2 was killed by SIGKILL") and "host node2" in str(killed)

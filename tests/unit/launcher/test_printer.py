@@ -51,3 +51,15 @@ def test_background_runs_announce_their_failure() -> None:
     printer = TextPrinter(out, frozenset({0}), announce_end=True)
     printer(RunEnded(RunState.FAILED, WorkerError("rank 1 was killed", rank=1), 1.0, 0.0))
     assert out.getvalue() == "nbaccel: run failed: rank 1 was killed\n"
+
+
+def test_on_several_machines_every_rank_is_labelled_with_its_host() -> None:
+    from nbaccel.events import WorkerStarted
+
+    out = io.StringIO()
+    printer = TextPrinter(out, None, announce_end=False)
+    printer(WorkerStarted(0, 11, 0.0, host="node1"))
+    printer(WorkerStarted(3, 12, 0.0, host="node2"))
+    printer(line(0, "a"))
+    printer(line(3, "b"))
+    assert out.getvalue() == "[node1:rank 0] a\n[node2:rank 3] b\n"

@@ -82,6 +82,9 @@ class FakeHelper:
     def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
         self.signals.append((signum, ranks))
 
+    def host_of(self, rank: int) -> str | None:
+        return None
+
 
 def start_supervised_run(tmp_path: Path, world: int) -> tuple[Run, FakeHelper]:
     plan = XlaPlan(device="TPU", num_processes=world, devices_per_process=1)

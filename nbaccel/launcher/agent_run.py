@@ -1,0 +1,88 @@
+"""One host's share of a several-machine launch, run by torch elastic (``agent_main.py``).
+
+``run_host`` hands torch elastic (``elastic_launch``: ``LocalElasticAgent``, c10d
+rendezvous) this host's workers: ``nproc`` forks of the agent running
+``agent_worker.run_elastic_worker``. Node 0 hosts the rendezvous store on the port it
+picked (``pick_port``); every node joins it at ``host0:port``. torch is imported here, in
+the agent: never in the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+
+def versions() -> dict[str, str]:
+    """What the kernel checks against its own before anything starts."""
+    import torch
+
+    return {
+        "python": sys.version.split()[0],
+        "nbaccel": metadata.version("nbaccel"),
+        "torch": torch.__version__,
+        "hostname": socket.gethostname(),
+    }
+
+
+def pick_port(address: str) -> int:
+    """A free TCP port for the rendezvous store on this host (node 0).
+
+    The store binds it moments later in this process; nothing else on this host is
+    expected to take a port the kernel never named in between.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_host(start: dict[str, Any], worker_address: str) -> tuple[bool, dict[int, int]]:
+    """Run this host's workers to the end: (all succeeded, exit statuses elastic knows by
+    global rank: minus the signal that ended a worker). Which global ranks live here is
+    elastic's choice (the rendezvous orders the hosts), so the caller learns the rest from
+    the workers' own hello."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from nbaccel.launcher.agent_worker import run_elastic_worker
+
+    os.environ.update(start["env"])
+    if os.path.isdir(start["cwd"]):
+        os.chdir(start["cwd"])
+    Path(start["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+    payload_fd = os.memfd_create("nbaccel-payload")
+    os.write(payload_fd, start["payload"])
+    # elastic keeps a folder of per-worker error files; ours, removed at the end.
+    elastic_dir = tempfile.mkdtemp(prefix="nbaccel-elastic-")
+    host0, port = start["endpoint_host"], start["endpoint_port"]
+    config = LaunchConfig(
+        min_nodes=start["nnodes"],
+        max_nodes=start["nnodes"],
+        nproc_per_node=start["nproc"],
+        run_id=start["run"],
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{host0}:{port}",
+        rdzv_configs={"join_timeout": start["join_timeout"], "is_host": start["node_rank"] == 0},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="fork",
+        local_addr=start["local_addr"],
+        logs_specs=DefaultLogsSpecs(log_dir=elastic_dir, redirects=Std.NONE, tee=Std.NONE),
+    )
+    try:
+        values = elastic_launch(config, run_elastic_worker)(
+            worker_address, payload_fd, start["run"], start["run_dir"]
+        )
+        return True, {int(rank): 0 for rank in values}
+    except ChildFailedError as error:
+        return False, {int(rank): failure.exitcode for rank, failure in error.failures.items()}
+    finally:
+        os.close(payload_fd)
+        shutil.rmtree(elastic_dir, ignore_errors=True)

@@ -1,0 +1,104 @@
+"""Start a planned launch on several hosts: a ``Run`` fed by one agent per host.
+
+The kernel side of ``hosts=[...]``: the run folder, ``config.json`` and the display are
+made as for one machine (``api.start_planned``); the workers come from ``RemoteHosts``
+instead of the helper, and rank 0's rendezvous is torch elastic's on the first host.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+
+from nbaccel.config.accelerate_compat import accelerate_env
+from nbaccel.config.schema import Config
+from nbaccel.context import ProcessContext
+from nbaccel.launcher.hosts import processes_per_host, read_hosts
+from nbaccel.launcher.planned import Display, HostPlacement, Planned
+from nbaccel.launcher.preflight import local_versions, preflight
+from nbaccel.launcher.remote_hosts import RemoteHosts
+from nbaccel.launcher.remote_shell import RemoteShell
+from nbaccel.launcher.run import Run
+from nbaccel.launcher.run_folder import make_run_dir, write_config
+
+# Per host, to connect and read its versions (an SSH connection, then Python's start).
+PREFLIGHT_TIMEOUT = 30.0
+
+
+def start_on_hosts(planned: Planned, *, show: Display) -> Run:
+    """Start ``planned`` with ``shares[i]`` processes on ``hosts[i]``; the run, started."""
+    assert planned.placement is not None
+    config, placement = planned.resolved.config, planned.placement
+    run_dir = make_run_dir(config.runs_dir, planned.run_id)
+    shell = placement.shell
+    starter = RemoteHosts(placement.hosts, placement.shares, shell.argv, shell.python, run_dir)
+    try:
+        starter.configure(
+            {
+                "run": planned.run_id,
+                "env": remote_worker_env(config),
+                "cwd": planned.cwd,
+                "run_dir": str(run_dir),
+                "join_timeout": max(1, round(config.rdzv_timeout)),
+            }
+        )
+        write_config(run_dir, planned.resolved)
+        run = Run(planned.run_id, run_dir, config, planned.world_size)
+        show(run, 0)
+        with tempfile.TemporaryFile() as payload_file:
+            payload_file.write(planned.payload)
+            payload_file.flush()
+            requests = [{"context": _context(planned, r)} for r in range(planned.world_size)]
+            run.start(starter, requests, payload_file.fileno(), None)
+    except BaseException:
+        starter.close()
+        raise
+    return run
+
+
+def remote_worker_env(config: Config) -> dict[str, str]:
+    """What a remote host's workers get on top of their host's own environment.
+
+    Not the kernel's environment: paths, devices and interfaces differ between machines.
+    Only what the launch itself decides: Accelerate's variables and unbuffered output.
+
+    >>> remote_worker_env(Config())["PYTHONUNBUFFERED"]
+    '1'
+    """
+    return {**accelerate_env(config, on_cpu=config.use_cpu), "PYTHONUNBUFFERED": "1"}
+
+
+def _context(planned: Planned, rank: int) -> ProcessContext:
+    # Only the rank is read on this side; elastic gives each worker its real identity.
+    return ProcessContext(
+        rank=rank,
+        local_rank=rank,
+        world_size=planned.world_size,
+        local_world_size=planned.world_size,
+        node_rank=0,
+        master_addr="",
+        master_port=0,
+        run_id=planned.run_id,
+    )
+
+
+def place_on_hosts(config: Config, env: Mapping[str, str]) -> HostPlacement:
+    """Read ``config.hosts``, split ``num_processes`` over them, and check every host can
+    run this launch (reachable, same nbaccel and torch): a ConfigError before anything
+    starts. ``hosts=("slurm",)`` runs through ``srun`` inside the allocation."""
+    named: str | Sequence[str] = config.hosts
+    if len(config.hosts) == 1 and (config.hosts[0] == "slurm" or os.path.isfile(config.hosts[0])):
+        named = config.hosts[0]  # one entry: the allocation, or a hostfile's path
+    hosts = read_hosts(named, env)
+    shares = processes_per_host(hosts, config.num_processes)
+    shell = RemoteShell(
+        "srun" if named == "slurm" else "ssh",
+        tuple(shlex.split(config.ssh_options)),
+        python=config.remote_python or sys.executable,
+    )
+    names = [host.name for host in hosts]
+    preflight(shell, names, timeout=PREFLIGHT_TIMEOUT, local_versions=local_versions())
+    return HostPlacement(tuple(names), tuple(shares), shell)
