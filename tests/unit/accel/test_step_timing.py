@@ -193,6 +193,36 @@ def test_the_wait_for_the_reduction_is_communication_not_backward() -> None:
     assert phases[BACKWARD] < 0.05
 
 
+def test_the_reduction_watch_leaves_the_losss_own_hooks_alone() -> None:
+    # The watch lends one hook dict to the loss while registering it: a hook the user put
+    # on the loss before still runs (the watch then registers the public way), and one put
+    # on after gets a dict of its own, not the dict every later step shares.
+    timer, _clock, _sent = make_timer()
+    weight = torch.ones(3, requires_grad=True)
+    seen: list[str | None] = []
+    engine: Any = torch.autograd.Variable._execution_engine
+    # A stand-in for DDP's reducer: at a gradient, it queues a final callback; that one
+    # finds the mark's callback (queued as backward began) ran: the phase is communication.
+    weight.register_hook(lambda grad: engine.queue_callback(lambda: seen.append(timer._phase)))
+    loader = object()
+    for hooked_before in (True, False):
+        timer.begin_data(loader)
+        timer.end_data(torch.zeros(1))
+        loss = (weight * 2).sum()
+        if hooked_before:
+            loss.register_hook(lambda grad: seen.append("before"))
+        previous = timer.enter(BACKWARD)
+        timer.watch_reduction(loss)
+        if not hooked_before:
+            loss.register_hook(lambda grad: seen.append("after"))
+        loss.backward()
+        timer.leave(previous)
+    timer.loop_ended(loader)
+    assert seen == ["before", COMMUNICATION, "after", COMMUNICATION]
+    assert list(timer._loss_hooks) == [0]  # the shared dict holds only the mark
+    assert loss._backward_hooks is not None and len(loss._backward_hooks) == 1
+
+
 def test_a_prepared_loop_marks_every_phase_in_process() -> None:
     acc = Accelerator(cpu=True)
     sent: list[dict[str, Any]] = []
