@@ -76,8 +76,9 @@ def check_one_machine(resolved: Resolved) -> None:
         name = "num_machines" if config.num_machines > 1 else "machine_rank"
         raise ConfigError(
             f"{name}={getattr(config, name)} (from {sources[name]}): launch() and "
-            "notebook_launcher() start processes on this machine only. To train across "
-            "machines, run `nbaccel launch --num_machines N --machine_rank R "
+            "notebook_launcher() start processes on this machine, or on every machine of "
+            "hosts=[...] over SSH (docs/multi-machine.md). To train across machines, pass "
+            "hosts=, or run `nbaccel launch --num_machines N --machine_rank R "
             "--main_process_ip HOST --num_processes TOTAL script.py` on each machine (TOTAL "
             "counts every machine's processes, or give --nproc_per_node P per machine), or "
             "set num_machines=1.",
