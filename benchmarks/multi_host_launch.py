@@ -71,6 +71,7 @@ Usage::
     python benchmarks/multi_host_launch.py                  # 3 rounds, 3 later launches each
     python benchmarks/multi_host_launch.py --quick          # smoke run: 1 round, 1 later
     python benchmarks/multi_host_launch.py --json samples.json
+    python benchmarks/multi_host_launch.py --remote-python /path/to/python  # on the hosts
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def run_driver(way: str, repeats: int, ssh: dict[str, Any]) -> dict[str, Any]:
         clock = None
         if way == "hosts":
             settings.update(
-                hosts=ssh["hosts"], ssh_options=ssh["options"], remote_python=sys.executable
+                hosts=ssh["hosts"], ssh_options=ssh["options"], remote_python=ssh["python"]
             )
             clock = PhaseClock()
         paths = (os.path.join(scratch, f"launch{index}") for index in range(repeats + 1))
@@ -293,7 +294,7 @@ def measure_torchrun(ssh: dict[str, Any], out_dir: str, index: int) -> Sample:
     started_wall, started = time.time(), time.perf_counter()
     processes = []
     for node, host in enumerate(hosts):
-        remote = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts))]
+        remote = [ssh["python"], "-m", "torch.distributed.run", "--nnodes", str(len(hosts))]
         remote += ["--nproc_per_node", str(PER_HOST), "--rdzv_backend", "c10d"]
         remote += ["--rdzv_endpoint", endpoint, "--rdzv_id", f"bench{os.getpid()}-{index}"]
         remote += ["--rdzv_conf", f"is_host={int(node == 0)}", "--local_addr", host]
@@ -351,7 +352,7 @@ def probe_references(ssh: dict[str, Any], agent_floor: bool) -> dict[str, float]
     found = {"import_statement": float(out.split()[-1]), "import_process": wall}
     found["ssh"], _ = probe(ssh_argv(ssh, ssh["hosts"][1], ["true"]))
     if agent_floor:
-        remote = [sys.executable, "-c", "import torch"]
+        remote = [ssh["python"], "-c", "import torch"]
         found["ssh_import"], _ = probe(*(ssh_argv(ssh, host, remote) for host in ssh["hosts"]))
     return found
 
@@ -398,6 +399,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="later launches per driver (default 3)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 1 later")
     parser.add_argument("--json", metavar="PATH", help="write every raw sample here")
+    parser.add_argument(
+        "--remote-python",
+        default=sys.executable,
+        help="the interpreter the hosts run over ssh (default: this one)",
+    )
     parser.add_argument("--driver", choices=("hosts", "one"), help=argparse.SUPPRESS)
     parser.add_argument("--ssh", help=argparse.SUPPRESS)
     parser.add_argument("--torchrun-worker", metavar="DIR", help=argparse.SUPPRESS)
@@ -424,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         progress("starting sshd on 127.0.0.2 and 127.0.0.3")
         with start_sshd(Path(scratch)) as server:
             ssh = {"hosts": list(server.hosts), "options": shlex.join(server.ssh_options)}
+            ssh["python"] = args.remote_python
             data = collect(args.rounds, args.repeats, ssh, scratch, args.quick)
     rows = summarize(data)
     phases = breakdown(data)
