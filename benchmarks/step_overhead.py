@@ -456,7 +456,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="rounds of the breakdown's on / off / on again steps per repetition (200; 0: none)",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 80 steps x 2")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 60 steps x 2")
     numbered = ", ".join(f"{i} {name}" for i, name in enumerate(VARIANTS, 1))
     parser.add_argument(
         "--variants", help=f"comma list of numbers (default all; 'none'): {numbered}"
@@ -464,11 +464,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write the seconds of every turn here")
     parser.add_argument("--from-json", metavar="PATH", help="report a run saved by --json again")
     args = parser.parse_args(argv)
-    args.steps = args.steps or (80 if args.quick else 400)
+    args.steps = args.steps or (60 if args.quick else 400)
     args.repeats = args.repeats or (2 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (8 if args.quick else 20)
     if args.breakdown_rounds is None:
-        args.breakdown_rounds = 30 if args.quick else 200
+        args.breakdown_rounds = 20 if args.quick else 200
     if args.steps % args.block or args.block % 4 or args.warmup % 4:
         parser.error("--block and --warmup must be multiples of 4, --steps one of --block")
     names = list(VARIANTS)
