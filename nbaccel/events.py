@@ -150,6 +150,23 @@ class RankExited:
 
 
 @dataclass(frozen=True)
+class RunRestarted:
+    """torch elastic restarted every worker after a failure (``max_restarts``).
+
+    ``attempt``: the attempt now starting, counted from 0 (the first restart starts attempt
+    1), of ``max_restarts + 1`` at most. ``rank``/``host``: who failed (None when unknown);
+    ``reason``: how, in a few words (``killed by SIGKILL``, ``raised ValueError: ...``).
+    """
+
+    attempt: int
+    max_restarts: int
+    rank: int | None
+    host: str | None
+    reason: str
+    time: float
+
+
+@dataclass(frozen=True)
 class RunEnded:
     state: RunState
     error: BaseException | None
@@ -167,6 +184,7 @@ Event = (
     | DeviceMemory
     | StepBreakdown
     | RankExited
+    | RunRestarted
     | RunEnded
 )
 

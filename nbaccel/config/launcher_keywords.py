@@ -31,10 +31,11 @@ _ELASTIC_ONLY = (
     "rdzv_endpoint",
     "rdzv_conf",
     "rdzv_id",
-    "max_restarts",
     "monitor_interval",
     "log_line_prefix_template",
 )
+# max_restarts is not listed: it is the schema's own field under Accelerate's name, so it
+# passes through untouched and the schema checks it (an int >= 0).
 ACCELERATE_KEYWORDS = (*RENAMED, *_ELASTIC_ONLY)
 _FOR_SEVERAL_MACHINES = (
     "One-machine launches from Python rendezvous over a private TCP store on 127.0.0.1; "
@@ -48,12 +49,13 @@ def from_accelerate_keywords(given: Mapping[str, Any]) -> dict[str, Any]:
     """``given`` with Accelerate's launcher keywords mapped to schema fields; others untouched.
 
     Raises ``ConfigError`` naming the keyword when its value asks for something nbaccel's
-    launch cannot do (an elastic restart, a custom rendezvous endpoint, a log prefix).
+    launch cannot do (a custom rendezvous endpoint, a log prefix). ``max_restarts`` is the
+    schema's own field (torch elastic restarts the workers), checked by the schema.
 
     >>> from_accelerate_keywords({"use_port": "29511", "mixed_precision": "bf16"})
     {'mixed_precision': 'bf16', 'main_process_port': 29511}
-    >>> from_accelerate_keywords({"max_restarts": 0, "rdzv_backend": "static"})
-    {}
+    >>> from_accelerate_keywords({"max_restarts": 1, "rdzv_backend": "static"})
+    {'max_restarts': 1}
     """
     mapped = {key: value for key, value in given.items() if key not in ACCELERATE_KEYWORDS}
     for key, value in given.items():
@@ -97,14 +99,6 @@ def _check_elastic_keyword(key: str, value: Any) -> None:
         if not math.isfinite(value) or value <= 0:
             raise ConfigError(
                 f"monitor_interval must be a finite number > 0, got {value!r}.", field=key
-            )
-    elif key == "max_restarts":
-        if value != 0 or isinstance(value, bool):
-            raise ConfigError(
-                f"max_restarts={value!r}: nbaccel does not restart a failed worker group "
-                "yet; a failing rank ends the run and raises its error in the cell. Resume "
-                "with Accelerator.load_state in a new launch, or leave max_restarts at 0.",
-                field=key,
             )
     elif key in ("rdzv_endpoint", "rdzv_conf"):
         if value not in ("", None, {}):

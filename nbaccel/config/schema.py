@@ -173,6 +173,12 @@ class Config:
         "Seconds to wait for every machine to join the rendezvous (multi-node).",
         minimum=0.001,
     )
+    max_restarts: int = schema_field(
+        0,
+        "Restart every worker after a failure, up to this many times (torch elastic's "
+        "max_restarts); a function resumes with load_state from its latest checkpoint.",
+        minimum=0,
+    )
     log_ranks: str = schema_field(
         "0",
         "Ranks whose output is shown live: '0', 'all', or a comma list such as '0,1'.",

@@ -10,9 +10,16 @@ killed and the agent leaves, so a kernel that dies, or an SSH connection that dr
 every host's processes down.
 
 Agent -> kernel: ``agent`` (ready: pid, versions), ``endpoint`` (node 0: the rendezvous port
-it picked), ``log``/``events`` (a rank's raw bytes, forwarded in order), ``exited`` (a rank's
-exit code, after its last bytes), ``done`` (the agent leaves) and ``failed`` (the agent
-itself broke: its traceback).
+it picked), ``worker`` (a worker of some attempt said hello: rank, pid, attempt; before any
+of its bytes), ``log``/``events`` (a rank's raw bytes, forwarded in order; events in whole
+frames only, so a worker killed mid-frame leaves nothing half-written for the next attempt's
+worker of that rank), ``ended`` (one worker process ended: rank, attempt, exit status, after
+its last bytes), ``exited`` (a rank's final exit code, once elastic is done), ``done`` (the
+agent leaves) and ``failed`` (the agent itself broke: its traceback).
+
+With ``max_restarts`` (elastic restarts every worker after a failure), any ``signal`` from
+the kernel means the run is ending: later workers leave at once (the stop pipe), and a
+SIGKILL ends this host outright, since elastic would otherwise restart what it killed.
 
 The workers are torch elastic's (``LocalElasticAgent`` via ``elastic_launch``, c10d
 rendezvous, fork start method): nbaccel adds no rendezvous of its own. A worker reaches the
@@ -74,16 +81,44 @@ class Channel:
 class WorkerLinks:
     """The private socket the workers connect to, and what each rank's connections carry."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, max_restarts: int) -> None:
         self.address = f"\0nbaccel-agent-{secrets.token_hex(8)}"
+        self.max_restarts = max_restarts
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(self.address)
         self._server.listen(64)
         self._channel = channel
-        self._lock = threading.Lock()
-        self.pids: dict[int, int] = {}  # rank -> worker pid
+        # Reentrant: a send that finds the kernel gone kills the workers, under this lock.
+        self._lock = threading.RLock()
+        self.pids: dict[int, int] = {}  # rank -> its latest worker's pid
         self._forwarders: dict[int, list[threading.Thread]] = {}
+        self._by_pid: dict[int, list[threading.Thread]] = {}  # one worker's forwarders
+        # The stop pipe: once written, every worker elastic starts leaves at once.
+        self.stop_read, self._stop_write = os.pipe()
+        self._stopping = False
+        self._finished = False  # the final messages went out (by elastic's end or a kill)
         threading.Thread(target=self._accept, name="nbaccel-agent-accept", daemon=True).start()
+
+    def stop_restarts(self) -> None:
+        """The kernel ends the run: no worker elastic restarts from now on runs anything."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                os.write(self._stop_write, b"\0")
+
+    def finish(self, statuses: dict[int, int], otherwise: int) -> bool:
+        """Report every rank's exit (its status in ``statuses``, else ``otherwise``) and
+        ``done``, once: False when that was already done (elastic's end and a kill cross)."""
+        with self._lock:
+            if self._finished:
+                return False
+            self._finished = True
+        for rank in sorted(set(self.ranks()) | set(statuses)):
+            self.wait_forwarded(rank, DRAIN_TIMEOUT)
+            status = statuses.get(rank, otherwise)
+            self._channel.send({"op": "exited", "rank": rank, "status": status})
+        self._channel.send({"op": "done"})
+        return True
 
     def signal(self, signum: int, ranks: list[int] | None) -> None:
         with self._lock:
@@ -118,17 +153,39 @@ class WorkerLinks:
 
     def _forward(self, conn: socket.socket) -> None:
         with conn:
-            hello, leftover = _read_hello(conn)
+            hello, data = _read_hello(conn)
             if hello is None:
                 return
-            rank, op = int(hello["rank"]), "log" if hello["channel"] == "log" else "events"
-            with self._lock:
-                self.pids[rank] = int(hello["pid"])
+            rank, pid, attempt = int(hello["rank"]), int(hello["pid"]), int(hello["attempt"])
+            op = "log" if hello["channel"] == "log" else "events"
+            with self._lock:  # held while sending: "worker" goes before any of its bytes
+                new = pid not in self._by_pid
+                self.pids[rank] = pid
                 self._forwarders.setdefault(rank, []).append(threading.current_thread())
-            if leftover:
-                self._channel.send({"op": op, "rank": rank, "data": leftover})
-            while data := conn.recv(READ_SIZE):
-                self._channel.send({"op": op, "rank": rank, "data": data})
+                self._by_pid.setdefault(pid, []).append(threading.current_thread())
+                if new:
+                    worker = {"op": "worker", "rank": rank, "pid": pid, "attempt": attempt}
+                    self._channel.send(worker)
+            if new:
+                threading.Thread(target=self._watch, args=(rank, pid, attempt), daemon=True).start()
+            whole = _whole_frames if op == "events" else _everything
+            pending = b""
+            while True:
+                ready, pending = whole(pending + data)
+                if ready:
+                    self._channel.send({"op": op, "rank": rank, "data": ready})
+                if not (data := conn.recv(READ_SIZE)):
+                    return  # an unfinished frame of a killed worker is dropped
+
+    def _watch(self, rank: int, pid: int, attempt: int) -> None:
+        """Say when one worker process ends, with its status, after its last bytes."""
+        status = _exit_status(pid)
+        with self._lock:
+            threads = list(self._by_pid.get(pid, ()))
+        for thread in threads:
+            thread.join(DRAIN_TIMEOUT)
+        ended = {"op": "ended", "rank": rank, "pid": pid, "attempt": attempt, "status": status}
+        self._channel.send(ended)
 
 
 def _read_hello(conn: socket.socket) -> tuple[dict[str, Any] | None, bytes]:
@@ -146,6 +203,33 @@ def _read_hello(conn: socket.socket) -> tuple[dict[str, Any] | None, bytes]:
         if not chunk:
             return None, b""
         data += chunk
+
+
+def _whole_frames(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` split after its last whole event frame: (whole frames, the rest)."""
+    end = 0
+    while len(data) - end >= HEADER.size:
+        (length,) = HEADER.unpack_from(data, end)
+        if len(data) - end - HEADER.size < length:
+            break
+        end += HEADER.size + length
+    return data[:end], data[end:]
+
+
+def _everything(data: bytes) -> tuple[bytes, bytes]:
+    return data, b""  # output: any byte boundary will do
+
+
+def _exit_status(pid: int) -> int | None:
+    """A worker's exit status (minus the signal that killed it) once it has ended, read
+    without reaping it (WNOWAIT): elastic reaps its own workers. None if elastic was first."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    return int(info.si_status) if info.si_code == os.CLD_EXITED else -int(info.si_status)
 
 
 def _signal_group(pid: int, signum: int) -> None:
@@ -168,7 +252,15 @@ def _follow_kernel(channel: Channel, links: WorkerLinks) -> None:
     """Obey ``signal`` frames; at end of input (the kernel or its connection is gone), stop."""
     while (message := channel.receive()) is not None:
         if message.get("op") == "signal":
-            links.signal(int(message["signal"]), message.get("ranks"))
+            signum = int(message["signal"])
+            if links.max_restarts and signum != signal.SIGUSR1:  # a stack dump ends nothing
+                links.stop_restarts()
+            links.signal(signum, message.get("ranks"))
+            # elastic would restart what was killed (its restarts are not the kernel's to
+            # take back): end this host's share now, as elastic's end would.
+            killed = links.max_restarts and signum == signal.SIGKILL
+            if killed and links.finish({}, -int(signal.SIGKILL)):
+                os._exit(0)
     _kill_everything_and_leave()
 
 
@@ -182,20 +274,18 @@ def main() -> int:
         start = channel.receive()
         if start is None:
             return 0
-        links = _links = WorkerLinks(channel)
+        links = _links = WorkerLinks(channel, int(start.get("max_restarts", 0)))
         if start["endpoint_port"] is None:  # node 0 hosts the rendezvous: pick its port
             start["endpoint_port"] = pick_port(start["local_addr"])
             channel.send({"op": "endpoint", "port": start["endpoint_port"]})
         threading.Thread(
             target=_follow_kernel, args=(channel, links), name="nbaccel-agent-in", daemon=True
         ).start()
-        succeeded, known = run_host(start, links.address)
+        succeeded, known = run_host(start, links.address, links.stop_read)
         # Workers elastic stopped after another failed are not in its failures.
         stopped = 0 if succeeded else -int(signal.SIGTERM)
-        for rank in sorted(set(links.ranks()) | set(known)):
-            links.wait_forwarded(rank, DRAIN_TIMEOUT)
-            channel.send({"op": "exited", "rank": rank, "status": known.get(rank, stopped)})
-        channel.send({"op": "done"})
+        if not links.finish(known, stopped):
+            threading.Event().wait()  # a kill is ending this host: it leaves, not us
         return 0
     except BaseException:  # noqa: BLE001 - the kernel raises it, naming this host
         channel.send({"op": "failed", "error": traceback.format_exc()})

@@ -42,11 +42,17 @@ def pick_port(address: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def run_host(start: dict[str, Any], worker_address: str) -> tuple[bool, dict[int, int]]:
+def run_host(
+    start: dict[str, Any], worker_address: str, stop_fd: int
+) -> tuple[bool, dict[int, int]]:
     """Run this host's workers to the end: (all succeeded, exit statuses elastic knows by
     global rank: minus the signal that ended a worker). Which global ranks live here is
-    elastic's choice (the rendezvous orders the hosts), so the caller learns the rest from
-    the workers' own hello."""
+    elastic's choice (the rendezvous orders the hosts, and may order them differently after
+    a restart), so the caller learns the rest from the workers' own hello.
+
+    ``start["max_restarts"]``: how often elastic restarts every host's workers after one
+    fails (elastic's own restart: stop all, rendezvous again, start all). ``stop_fd``: the
+    read end of the agent's stop pipe, which workers check before running anything."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -70,7 +76,7 @@ def run_host(start: dict[str, Any], worker_address: str) -> tuple[bool, dict[int
         rdzv_backend="c10d",
         rdzv_endpoint=f"{host0}:{port}",
         rdzv_configs={"join_timeout": start["join_timeout"], "is_host": start["node_rank"] == 0},
-        max_restarts=0,
+        max_restarts=int(start.get("max_restarts", 0)),
         monitor_interval=0.1,
         start_method="fork",
         local_addr=start["local_addr"],
@@ -78,7 +84,7 @@ def run_host(start: dict[str, Any], worker_address: str) -> tuple[bool, dict[int
     )
     try:
         values = elastic_launch(config, run_elastic_worker)(
-            worker_address, payload_fd, start["run"], start["run_dir"]
+            worker_address, payload_fd, start["run"], start["run_dir"], stop_fd
         )
         return True, {int(rank): 0 for rank in values}
     except ChildFailedError as error:

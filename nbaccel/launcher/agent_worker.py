@@ -3,7 +3,8 @@
 torch elastic forks it from the host's agent with the torch.distributed variables set
 (RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT: the rendezvous' own
 store). It connects twice to the agent's private socket (its output, then its events), each
-connection opened with one hello frame naming its rank, and runs the shared bootstrap
+connection opened with one hello frame naming its rank and attempt (elastic's restart
+count), and runs the shared bootstrap
 (``worker_bootstrap.run_payload``). The process group is started from the environment
 elastic set; nothing here chooses an address or a port.
 """
@@ -11,6 +12,7 @@ elastic set; nothing here chooses an address or a port.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import sys
@@ -25,18 +27,30 @@ from nbaccel.events import EventWriter, encode_frame
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.worker_bootstrap import capture_output, run_payload
 
+STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: what a worker the stop reached would exit with
 
-def run_elastic_worker(address: str, payload_fd: int, run_id: str, run_dir: str) -> None:
-    """The entry point torch elastic calls in each forked worker (a module-level function)."""
+
+def run_elastic_worker(
+    address: str, payload_fd: int, run_id: str, run_dir: str, stop_fd: int
+) -> None:
+    """The entry point torch elastic calls in each forked worker (a module-level function).
+
+    ``stop_fd``: the read end of the agent's stop pipe. Once the kernel has ended the run,
+    a worker that elastic still restarts leaves at once instead of running the function
+    again (elastic restarts a group whose workers a stop interrupted)."""
     os.setsid()  # a stop from the agent reaches this worker's children too (DataLoader)
     set_parent_death_signal(signal.SIGKILL)  # the agent gone: so are we
+    if select.select([stop_fd], [], [], 0)[0]:
+        os._exit(STOPPED_EXIT_CODE)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the agent's stdin is the kernel's control channel, not ours
     os.close(null)
     rank = int(os.environ["RANK"])
-    capture_output(_connect(address, rank, "log"))
-    events = EventWriter(_connect(address, rank, "events"))
-    events.send({"kind": "started", "pid": os.getpid(), "time": time.time()})
+    # Which attempt this is: torch elastic counts its restarts of the worker group.
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    capture_output(_connect(address, rank, "log", attempt))
+    events = EventWriter(_connect(address, rank, "events", attempt))
+    events.send({"kind": "started", "pid": os.getpid(), "time": time.time(), "attempt": attempt})
     context = ProcessContext(
         rank=rank,
         local_rank=int(os.environ["LOCAL_RANK"]),
@@ -61,10 +75,10 @@ def run_elastic_worker(address: str, payload_fd: int, run_id: str, run_dir: str)
     # start method ends the process with os._exit, so no interpreter teardown runs.
 
 
-def _connect(address: str, rank: int, channel: str) -> int:
+def _connect(address: str, rank: int, channel: str, attempt: int) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
-    hello = {"rank": rank, "channel": channel, "pid": os.getpid()}
+    hello = {"rank": rank, "channel": channel, "pid": os.getpid(), "attempt": attempt}
     sock.sendall(encode_frame(hello))
     return sock.detach()
 
@@ -78,7 +92,28 @@ def _start_distributed(config: Config) -> None:
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=config.collective_timeout))
+    timeout = timedelta(seconds=config.collective_timeout)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # elastic's workers share one store across restarts (the rendezvous keeps it), so an
+    # attempt's peers could read the addresses the previous attempt's workers left there
+    # and fail to connect: each attempt keeps its keys under its own prefix.
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not shared and rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"nbaccel/attempt-{attempt}", store),  # type: ignore[attr-defined]
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
 
 
 def _finish() -> None:

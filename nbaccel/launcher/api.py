@@ -29,7 +29,7 @@ from nbaccel.errors import ConfigError
 from nbaccel.launcher import checks
 from nbaccel.launcher.detached import start_detached
 from nbaccel.launcher.helper import shared_helper
-from nbaccel.launcher.hosts_launch import place_on_hosts, start_on_hosts
+from nbaccel.launcher.hosts_launch import place_here, place_on_hosts, start_on_hosts
 from nbaccel.launcher.payload import build_payload
 from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.run import Run
@@ -90,6 +90,8 @@ def plan(
         # Counted once: NVML is slow. A torch_xla launch runs on TPU (or XLA's CPU device).
         gpus = 0 if resolved.config.use_cpu or xla else visible_gpu_count(os.environ)
         world_size = xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, gpus)
+        if resolved.config.max_restarts:  # torch elastic restarts them: its agent, here
+            placement = place_here(resolved.config, world_size, xla=xla is not None)
     checks.check_log_ranks(resolved.config, world_size)
     checks.check_project_dir(resolved.config)
     return Planned(

@@ -8,6 +8,7 @@ failure is classified by cause and the rank that failed on its own wins. Stdlib 
 from __future__ import annotations
 
 import pickle
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,41 @@ def choose_culprit(failures: Sequence[Failure]) -> Failure:
     return min(failures, key=lambda f: (_PRIORITY[f.cause], f.time, f.rank))
 
 
+def describe_failure(failure: Failure) -> str:
+    """A failure in a few words, for the line that says the workers restart.
+
+    >>> describe_failure(Failure(rank=1, cause="exit", time=0.0, exitcode=-9))
+    'killed by SIGKILL'
+    >>> describe_failure(Failure(1, "error", 0.0, report={"type": "builtins.ValueError",
+    ...                                                    "message": "bad shard"}))
+    'raised ValueError: bad shard'
+    """
+    if failure.error is not None:
+        return str(failure.error).splitlines()[0]
+    if failure.report is not None:
+        kind = str(failure.report["type"]).rsplit(".", 1)[-1]
+        message = str(failure.report["message"]).strip().splitlines()
+        return f"raised {kind}" + (f": {message[0]}" if message else "")
+    if failure.exitcode is None:
+        return "its process ended without a result"
+    if failure.exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-failure.exitcode}"
+    return f"exited with code {failure.exitcode}"
+
+
+def attempt_text(attempt: int, max_restarts: int) -> str:
+    """Which attempt a failure ended, for runs that restart (``max_restarts`` > 0).
+
+    >>> attempt_text(1, 1)
+    'in attempt 2 of 2, after 1 restart'
+    """
+    restarts = f"{attempt} restart" + ("" if attempt == 1 else "s")
+    return f"in attempt {attempt + 1} of {max_restarts + 1}, after {restarts}"
+
+
 def build_error(
     failure: Failure,
     *,
@@ -50,10 +86,12 @@ def build_error(
     stuck_ranks: Sequence[int] = (),
     stuck_logs: Mapping[int, str] | None = None,
     host: str | None = None,
+    restarts: tuple[int, int] | None = None,
 ) -> BaseException:
     """The exception the parent raises, with the worker traceback chained as ``__cause__``.
 
     ``host``: where the failing rank ran, on several machines (named in the message).
+    ``restarts``: (the attempt that failed, max_restarts) of a run that restarts its workers.
     """
     if failure.error is not None:
         return failure.error
@@ -64,8 +102,12 @@ def build_error(
         )
         if host is not None:
             exited.args = (f"{exited.args[0]} It ran on host {host}.",)
+        if restarts is not None:
+            text = attempt_text(*restarts)
+            exited.args = (f"{exited.args[0]} It failed {text} (max_restarts={restarts[1]}).",)
         return exited
     at = f" on host {host}" if host is not None else ""
+    at += f" {attempt_text(*restarts)}" if restarts is not None else ""
     remote = RemoteTraceback(f"Traceback from rank {failure.rank}{at}:\n{report['traceback']}")
     if failure.cause == "timeout":
         error: BaseException = _timeout_error(

@@ -3,6 +3,10 @@
 The kernel side of ``hosts=[...]``: the run folder, ``config.json`` and the display are
 made as for one machine (``api.start_planned``); the workers come from ``RemoteHosts``
 instead of the helper, and rank 0's rendezvous is torch elastic's on the first host.
+
+A one-machine launch with ``max_restarts`` goes the same way (``place_here``): one agent on
+this machine, started without SSH, so torch elastic restarts its workers; its rendezvous is
+on 127.0.0.1 and its workers' gloo/NCCL sockets on the loopback interface.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from nbaccel.config.accelerate_compat import accelerate_env
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
+from nbaccel.devices import loopback_interface, usable_cpu_cores
+from nbaccel.errors import ConfigError
 from nbaccel.launcher.hosts import processes_per_host, read_hosts
 from nbaccel.launcher.planned import Display, HostPlacement, Planned
 from nbaccel.launcher.preflight import local_versions, preflight
@@ -33,21 +39,25 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
     assert planned.placement is not None
     config, placement = planned.resolved.config, planned.placement
     run_dir = make_run_dir(config.runs_dir, planned.run_id)
-    shell = placement.shell
-    starter = RemoteHosts(placement.hosts, placement.shares, shell.argv, shell.python, run_dir)
+    shell, local = placement.shell, placement.shell.kind == "local"
+    starter = RemoteHosts(
+        placement.hosts, placement.shares, shell.argv, shell.python, run_dir, local=local
+    )
     try:
+        env = local_worker_env(config, planned) if local else remote_worker_env(config)
         starter.configure(
             {
                 "run": planned.run_id,
-                "env": remote_worker_env(config),
+                "env": env,
                 "cwd": planned.cwd,
                 "run_dir": str(run_dir),
                 "join_timeout": max(1, round(config.rdzv_timeout)),
+                "max_restarts": config.max_restarts,
             }
         )
         write_config(run_dir, planned.resolved)
         run = Run(planned.run_id, run_dir, config, planned.world_size)
-        show(run, 0)
+        show(run, planned.gpus)
         with tempfile.TemporaryFile() as payload_file:
             payload_file.write(planned.payload)
             payload_file.flush()
@@ -69,6 +79,42 @@ def remote_worker_env(config: Config) -> dict[str, str]:
     '1'
     """
     return {**accelerate_env(config, on_cpu=config.use_cpu), "PYTHONUNBUFFERED": "1"}
+
+
+def local_worker_env(config: Config, planned: Planned) -> dict[str, str]:
+    """What the workers of a one-machine agent get on top of the kernel's environment (the
+    agent inherits it): what ``api.worker_env`` gives the helper's workers, but the
+    torch.distributed variables, which elastic sets. gloo and NCCL bind to the loopback
+    interface: nothing of a one-machine run listens on the machine's network addresses."""
+    env = accelerate_env(config, on_cpu=not planned.gpus)
+    threads = planned.env.get("OMP_NUM_THREADS")
+    env["OMP_NUM_THREADS"] = threads or str(max(1, usable_cpu_cores() // planned.world_size))
+    env["PYTHONUNBUFFERED"] = "1"
+    loopback = loopback_interface()
+    if loopback is not None:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback
+    if planned.env.get("MPLBACKEND", "").startswith("module://"):
+        env["MPLBACKEND"] = "Agg"  # the notebook's inline backend needs a kernel
+    return env
+
+
+def place_here(config: Config, world_size: int, *, xla: bool) -> HostPlacement:
+    """A one-machine launch with ``max_restarts``: its ``world_size`` workers under one
+    nbaccel agent on this machine, whose torch elastic restarts them after a failure."""
+    clash = (
+        ("detach", config.detach, "a detached run's supervisor starts its workers itself"),
+        ("strategy", xla, "torch_xla starts its workers itself"),
+    )
+    for name, present, why in clash:
+        if present:
+            raise ConfigError(
+                f"max_restarts={config.max_restarts} restarts the workers through torch "
+                f"elastic, but {name}={getattr(config, name)!r} asks for a launch where "
+                f"{why}, which cannot restart them. Use max_restarts=0 (resume with "
+                "Accelerator.load_state in a new launch), or drop that setting.",
+                field="max_restarts",
+            )
+    return HostPlacement(("127.0.0.1",), (world_size,), RemoteShell("local"))
 
 
 def _context(planned: Planned, rank: int) -> ProcessContext:

@@ -3,7 +3,8 @@
 Used outside Jupyter, without ipywidgets, and as the dashboard's fallback. Rank 0 is
 printed bare; other ranks get a ``[rank N]`` label (``[host:rank N]`` on several machines,
 rank 0's too). At the end, one line sums up the step
-time (where it went, throughput, the straggler) when the workers sent a breakdown.
+time (where it went, throughput, the straggler) when the workers sent a breakdown. A run
+that restarts its workers (``max_restarts``) gets one line per restart.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from nbaccel.events import (
     Event,
     LogLine,
     RunEnded,
+    RunRestarted,
     RunState,
     SettingsApplied,
     StepBreakdown,
@@ -69,6 +71,12 @@ class TextPrinter:
             self._open_rank = None
         elif isinstance(event, StepBreakdown):
             self._steps.add(event)
+        elif isinstance(event, RunRestarted):
+            self._stream.write(
+                ("\n" if self._open_rank is not None else "") + f"nbaccel: {restart_line(event)}\n"
+            )
+            self._open_rank = None
+            self._stream.flush()
         elif isinstance(event, RunEnded):
             if self._open_rank is not None:
                 self._stream.write("\n")
@@ -79,3 +87,16 @@ class TextPrinter:
                 why = f": {event.error}" if event.error is not None else ""  # stop(): no error
                 self._stream.write(f"nbaccel: run {event.state.value}{why}\n")
             self._stream.flush()
+
+
+def restart_line(event: RunRestarted) -> str:
+    """What a restart is called in text (the printer's line, the dashboard's notice).
+
+    >>> restart_line(RunRestarted(1, 1, 1, None, "killed by SIGKILL", 0.0))
+    'rank 1 failed (killed by SIGKILL); restarting the workers (attempt 2 of 2)'
+    """
+    attempt = f"attempt {event.attempt + 1} of {event.max_restarts + 1}"
+    if event.rank is None:
+        return f"{event.reason}; restarting the workers ({attempt})"
+    where = f" on host {event.host}" if event.host is not None else ""
+    return f"rank {event.rank}{where} failed ({event.reason}); restarting the workers ({attempt})"

@@ -5,6 +5,13 @@ pipe, takes exit codes from the helper through an inbox, decides which rank fail
 stops the others (SIGTERM, then SIGKILL; SIGINT first for a user's stop), and ends when
 every worker is reaped and its pipes are drained (or a short drain deadline passes, since
 grandchildren may hold a pipe open). Subscribers get events on the pump thread.
+
+With ``max_restarts``, torch elastic restarts every worker after a failure: a failure in an
+attempt that has restarts left is recorded (``events.jsonl``) and stops nothing here, since
+elastic stops and restarts the workers on every host itself; the starter's ``restarted``
+message then emits ``RunRestarted`` with the culprit of the attempt that failed. A rank's
+state is its latest worker's (its ``started`` event says which attempt). A failure in the
+last attempt ends the run as without restarts; a stop ends it at once in any attempt.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from nbaccel.events import (
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.failures import Failure, build_error
 from nbaccel.launcher.output import LineSplitter, render
+from nbaccel.launcher.restarts import Attempts
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
@@ -65,6 +73,7 @@ class RankPipes:
     pid: int | None = None  # reported by the worker when it starts
     result: bytes | None = None
     has_result: bool = False
+    attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
 
 class RunPump:
@@ -92,6 +101,7 @@ class RunPump:
     _started: float
     _helper: WorkerStarter | None
     _events_file: Any
+    _attempts: Attempts
 
     def logs(self, rank: int = 0) -> str:
         """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
@@ -178,6 +188,9 @@ class RunPump:
     def _on_worker_message(self, r: RankPipes, message: dict[str, Any]) -> None:
         kind = message["kind"]
         if kind == "started":
+            attempt = int(message.get("attempt", 0))
+            if attempt != r.attempt:  # the rank's worker of a new attempt: nothing is kept
+                r.attempt, r.result, r.has_result = attempt, None, False
             r.pid = message["pid"]
             host = self._helper.host_of(r.rank) if self._helper is not None else None
             self._emit(WorkerStarted(r.rank, message["pid"], message["time"], host))
@@ -220,7 +233,9 @@ class RunPump:
             with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:
                 file.write(message["value"])
         elif kind == "error":
-            self._fail(Failure(r.rank, message["cause"], message["time"], report=message))
+            self._fail(
+                Failure(r.rank, message["cause"], message["time"], report=message), r.attempt
+            )
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]
@@ -234,6 +249,10 @@ class RunPump:
                 self._on_exit(r, 0 if r.has_result else status, selector)
         elif op == "exited":
             self._on_exit(self._ranks[message["rank"]], message["status"], selector)
+        elif op == "worker_ended":
+            self._on_worker_ended(message, selector)
+        elif op == "restarted":
+            self._on_restarted(int(message["attempt"]))
         elif op in ("spawn_failed", "helper_died"):
             rank = message.get("rank", 0)
             self._fail(Failure(rank, "error", 0.0, error=HelperError(message["error"])))
@@ -255,8 +274,41 @@ class RunPump:
         if all(x.exitcode is not None for x in self._ranks):
             self._drain_deadline = time.monotonic() + DRAIN_SECONDS
 
-    def _fail(self, failure: Failure) -> None:
-        self._arbiter.fail(failure, time.monotonic())
+    def _fail(self, failure: Failure, attempt: int | None = None) -> None:
+        """A rank failed (in ``attempt``, for a worker's own report): the arbiter ends the
+        run, unless elastic restarts every worker after it (restarts left, no stop)."""
+        if attempt is None or not self._restartable(attempt):
+            self._arbiter.fail(failure, time.monotonic())
+            return
+        host = self._helper.host_of(failure.rank) if self._helper is not None else None
+        record = self._attempts.record(failure, attempt, host)
+        if record is not None:
+            self._record(record)
+
+    def _restartable(self, attempt: int) -> bool:
+        return self._attempts.restartable(attempt) and not self._arbiter.cancelled
+
+    def _on_worker_ended(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
+        """One worker of an attempt ended (only the agent says so, its last bytes first):
+        with restarts left a failure of that attempt; in the last one the arbiter hears of
+        it before elastic's end reports every rank (the ranks it stopped after it, too)."""
+        r, attempt, status = self._ranks[message["rank"]], message["attempt"], message["status"]
+        if status == 0:
+            return
+        while self._read(selector, r, "events"):
+            pass  # its error report, if it sent one, names the failure better than its exit
+        if r.has_result and r.attempt == attempt:
+            return  # it had finished: a peer's failure stopped it at the end
+        self._fail(Failure(r.rank, "exit", time.time(), exitcode=status), attempt)
+
+    def _on_restarted(self, attempt: int) -> None:
+        if self._arbiter.cancelled:
+            return  # a stop's restart runs nothing (the agent's stop pipe)
+        event = self._attempts.started(attempt, time.time())
+        if event is not None:
+            entry = {"event": "restarted", "attempt": attempt, "rank": event.rank}
+            self._record({**entry, "host": event.host, "reason": event.reason})
+            self._emit(event)
 
     def _tick(self) -> None:
         live = [r.rank for r in self._ranks if r.exitcode is None]
@@ -289,6 +341,7 @@ class RunPump:
                 stuck_ranks=stuck,
                 stuck_logs=stuck_logs,
                 host=self._helper.host_of(culprit.rank) if self._helper is not None else None,
+                restarts=self._attempts.restarts_used(),
             )
             state = RunState.FAILED
         elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks):

@@ -8,9 +8,15 @@ then every other host gets its share with ``host0:port``. torch elastic does the
 
 Everything comes back on the agents' stdout: each rank's output and events are written
 into that rank's pipes, exactly as a local worker writes them, so the pump, the dashboard
-and ``events.jsonl`` see one run. Nothing listens on the network on the kernel's side,
-and only the agents this process started can speak for a rank. Closing an agent's stdin
-stops its host; the kernel exiting closes them all. Stdlib only: the kernel runs this.
+and ``events.jsonl`` see one run. With ``max_restarts`` torch elastic restarts every
+worker after a failure: a rank's pipes stay open across attempts (the rank's next worker,
+on whichever host the new rendezvous puts it, writes into the same pipes), each worker's end
+is posted as ``worker_ended`` and each new attempt once as ``restarted``. ``local=True``:
+one agent on this machine (a one-machine launch with restarts), whose ranks have no host.
+
+Nothing listens on the network on the kernel's side, and only the agents this process
+started can speak for a rank. Closing an agent's stdin stops its host; the kernel exiting
+closes them all. Stdlib only: the kernel runs this.
 """
 
 from __future__ import annotations
@@ -48,8 +54,12 @@ class RemoteHosts:
         command_for: CommandFor,
         python: str,
         run_dir: Path,
+        *,
+        local: bool = False,
     ) -> None:
         self.hosts = list(hosts)
+        self.local = local
+        self.attempt = 0  # the latest attempt any agent started (elastic's restart count)
         self.shares = list(shares)
         self.world_size = sum(shares)
         self.run_dir = run_dir
@@ -111,7 +121,7 @@ class RemoteHosts:
             self._send(index, {"op": "signal", "signal": int(signum), "ranks": ranks})
 
     def host_of(self, rank: int) -> str | None:
-        return self.host_of_rank.get(rank)
+        return None if self.local else self.host_of_rank.get(rank)
 
     # ----- the agents ---------------------------------------------------------------
     def close(self) -> None:
@@ -173,9 +183,17 @@ class RemoteHosts:
     def _on_message(self, index: int, message: dict[str, Any]) -> bool:
         """Handle one agent message; True when that agent is finished."""
         op = message["op"]
-        if op in ("log", "events"):
+        if op == "worker":  # before any of that worker's bytes
+            rank, attempt = int(message["rank"]), int(message["attempt"])
+            self.host_of_rank[rank] = self.hosts[index]  # a restart may move a rank
+            if attempt > self.attempt:
+                self.attempt = attempt
+                self._post({"op": "restarted", "attempt": attempt})
+        elif op == "ended":
+            ended = {key: message[key] for key in ("rank", "attempt", "status")}
+            self._post({"op": "worker_ended", **ended})
+        elif op in ("log", "events"):
             rank = int(message["rank"])
-            self.host_of_rank.setdefault(rank, self.hosts[index])
             fds = self._pipes.get(rank)
             if fds is not None:
                 _write_all(fds[0] if op == "log" else fds[1], message["data"])
@@ -199,8 +217,9 @@ class RemoteHosts:
             return
         self._finished.add(index)
         tail = self.stderr_tail(index)
+        where = "on this machine" if self.local else f"on host {self.hosts[index]!r}"
         error = (
-            f"the nbaccel agent on host {self.hosts[index]!r} failed: {reason.strip()}"
+            f"the nbaccel agent {where} failed: {reason.strip()}"
             + (f"\nIts last output:\n{tail}" if tail else "")
             + f"\nThe whole output is in {self._stderr_paths[index]}."
         )

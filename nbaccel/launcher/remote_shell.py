@@ -1,7 +1,9 @@
 """How the kernel runs a command on another host, with pipes for its stdin and stdout.
 
 Two ways: the system ``ssh`` (batch mode, the user's ``~/.ssh/config`` and known_hosts
-decide everything else) or, inside a Slurm allocation, one ``srun`` step per node.
+decide everything else) or, inside a Slurm allocation, one ``srun`` step per node. A third,
+``local``, runs the command on this machine as it is: a one-machine launch with
+``max_restarts`` runs its workers under the same agent, torch elastic restarting them.
 ``nbaccel.launcher.preflight`` checks every host through it before anything starts there.
 Stdlib only: this runs in the kernel, which never imports torch.
 """
@@ -68,7 +70,7 @@ class RemoteShell:
     ['node1', '--', "/opt/venv/bin/python -c 'print(1)'"]
     """
 
-    kind: Literal["ssh", "srun"]
+    kind: Literal["ssh", "srun", "local"]
     options: tuple[str, ...] = ()
     python: str = sys.executable
 
@@ -84,6 +86,8 @@ class RemoteShell:
         shell. srun forwards its stdin to the task and the task's stdout back; it is meant to
         run inside the allocation (``SLURM_JOB_ID`` set), as with ``hosts="slurm"``.
 
+        local: ``remote_argv`` itself, run on this machine.
+
         >>> RemoteShell("srun").argv("gpu01", ["python", "-c", "1"])
         ... # doctest: +NORMALIZE_WHITESPACE
         ['srun', '--nodes=1', '--ntasks=1', '--overlap', '--kill-on-bad-exit=1',
@@ -97,6 +101,8 @@ class RemoteShell:
             )
         if not remote_argv:
             raise ValueError("remote_argv is empty: there is no command to run")
+        if self.kind == "local":
+            return list(remote_argv)  # this machine: no shell, no options
         if self.kind == "ssh":
             return ["ssh", *self.options, *SSH_OPTIONS, host, "--", shlex.join(remote_argv)]
         return ["srun", *SRUN_OPTIONS, f"--nodelist={host}", *self.options, *remote_argv]

@@ -22,6 +22,7 @@ from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber, read_metrics
+from nbaccel.launcher.restarts import Attempts
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
@@ -72,6 +73,7 @@ class Run(RunPump):
         self._started = time.monotonic()
         self._helper: WorkerStarter | None = None
         self._events_file: Any = None
+        self._attempts = Attempts(config.max_restarts)
 
     # ----- public API -------------------------------------------------------------
     @property

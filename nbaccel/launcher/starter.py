@@ -13,7 +13,10 @@ from typing import Any, Protocol
 
 # A message about a run's workers, on the starter's thread: {"op": "exited", "rank",
 # "status"} (status: exit code, or minus the signal), {"op": "spawn_failed", "rank",
-# "error"} or {"op": "helper_died", "error"} (every rank is gone).
+# "error"} or {"op": "helper_died", "error"} (every rank is gone). Where workers are
+# restarted (torch elastic's max_restarts, remote_hosts.py): {"op": "worker_ended", "rank",
+# "attempt", "status"} (one worker of an attempt ended; status None when unknown) and
+# {"op": "restarted", "attempt"} (attempt N started, N >= 1; its workers follow).
 StarterListener = Callable[[dict[str, Any]], None]
 
 

@@ -21,6 +21,7 @@ from nbaccel.events import (
     ModelPrepared,
     RankExited,
     RunEnded,
+    RunRestarted,
     RunStarted,
     RunState,
     SettingsApplied,
@@ -67,6 +68,7 @@ class Header:
     world_size: int
     strategy: str
     precision: str
+    attempt: str | None = None  # "attempt 2 of 3" once torch elastic restarted the workers
 
 
 class DashboardModel:
@@ -117,6 +119,7 @@ class DashboardModel:
         self.config: Config | None = None  # set by for_config: the memory estimate needs it
         self.settings_sources: dict[str, str] = {}  # what rank 0's Accelerator changed, why
         self.hosts: dict[int, str] = {}  # rank -> host, on several machines
+        self.attempt: str | None = None  # after a restart (max_restarts): which attempt runs
         self.estimate: MemoryEstimate | None = None  # per device, once rank 0 prepared a model
 
     @classmethod
@@ -169,6 +172,8 @@ class DashboardModel:
             if event.exitcode != 0 and not self.errors and self.state is RunState.RUNNING:
                 # Provisional: the run's own error (with the traceback) replaces it at the end.
                 self._set_error(ErrorReport(event.rank, exit_text(event.rank, event.exitcode), ""))
+        elif isinstance(event, RunRestarted):
+            self.attempt = f"attempt {event.attempt + 1} of {event.max_restarts + 1}"
         elif isinstance(event, RunEnded):
             self.state, self._elapsed = event.state, event.elapsed
             if event.error is not None:
@@ -264,6 +269,7 @@ class DashboardModel:
             self.world_size,
             self.strategy,
             self.precision,
+            self.attempt,
         )
 
     # ----- internals --------------------------------------------------------------

@@ -51,6 +51,8 @@ def header_text(head: Header) -> str:
     'running · 1:15 · step 10/40 · 2.00 steps/s · ETA 0:15 · 2 processes · ddp · bf16 autocast'
     """
     parts = [head.state, clock_text(head.elapsed)]
+    if head.attempt is not None:  # torch elastic restarted the workers (max_restarts)
+        parts.append(head.attempt)
     if head.step is not None:
         parts.append(f"step {head.step}" + (f"/{head.total}" if head.total else ""))
     if head.step_rate is not None:

@@ -38,9 +38,21 @@ def test_accelerates_defaults_mean_one_machine_on_its_port() -> None:
         "main_process_ip": "127.0.0.1",
         "machine_rank": 0,
         "num_machines": 1,
+        "max_restarts": 0,
     }
     config = nbaccel.resolve(mapped, env={}).config
     assert (config.main_process_port, config.num_machines) == (29500, 1)
+
+
+def test_max_restarts_is_the_schema_field_with_its_source() -> None:
+    mapped = from_accelerate_keywords({"max_restarts": 2})
+    assert mapped == {"max_restarts": 2}
+    resolved = nbaccel.resolve(mapped, env={})
+    assert resolved.config.max_restarts == 2
+    assert resolved.sources["max_restarts"] == "argument"
+    assert nbaccel.resolve({}, env={"NBACCEL_MAX_RESTARTS": "3"}).config.max_restarts == 3
+    with pytest.raises(nbaccel.ConfigError, match="max_restarts"):
+        nbaccel.resolve({"max_restarts": -1}, env={})
 
 
 def test_renamed_keywords_show_their_source() -> None:
@@ -52,8 +64,6 @@ def test_renamed_keywords_show_their_source() -> None:
 @pytest.mark.parametrize(
     ("given", "fragment"),
     [
-        ({"max_restarts": 1}, "max_restarts=1: nbaccel does not restart"),
-        ({"max_restarts": True}, "max_restarts=True"),
         ({"rdzv_backend": "etcd"}, "rdzv_backend='etcd' is not available"),
         ({"rdzv_endpoint": "node1:29400"}, "rdzv_endpoint='node1:29400' is not available"),
         ({"rdzv_conf": {"timeout": 9}}, "rdzv_conf={'timeout': 9} is not available"),
@@ -73,7 +83,7 @@ def test_what_cannot_be_honoured_is_refused_by_name(given: dict[str, Any], fragm
 
 
 def test_elastic_values_nbaccel_already_meets_are_accepted() -> None:
-    given = {"rdzv_backend": "c10d", "monitor_interval": 5.0, "rdzv_conf": {}, "max_restarts": 0}
+    given = {"rdzv_backend": "c10d", "monitor_interval": 5.0, "rdzv_conf": {}}
     assert from_accelerate_keywords(given) == {}
 
 
@@ -87,7 +97,7 @@ def train(scale: int) -> int:
         ({"num_nodes": 2, "node_rank": 1}, "num_machines=2 (from argument)"),
         ({"master_addr": "192.0.2.7"}, "keeps every socket on loopback"),
         ({"use_port": "http"}, "main_process_port must be int"),
-        ({"max_restarts": 2}, "max_restarts=2"),
+        ({"max_restarts": -1}, "max_restarts"),
     ],
 )
 def test_launch_refuses_before_anything_starts(
