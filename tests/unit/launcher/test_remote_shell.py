@@ -297,3 +297,9 @@ def test_a_missing_ssh_command_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="the ssh command is not installed") as caught:
         preflight(SSH, ["node1"], timeout=3, local_versions=HERE)
     assert "openssh-client" in str(caught.value)
+
+
+def test_a_local_shell_runs_the_command_itself() -> None:
+    # A one-machine launch with max_restarts: the agent runs here, no ssh, no shell quoting.
+    argv = ["/opt/python", "-m", "nbaccel.launcher.agent_main"]
+    assert RemoteShell("local", ("-F", "ignored")).argv("127.0.0.1", argv) == argv

@@ -199,3 +199,36 @@ def test_a_stop_ends_the_run_even_with_restarts_left(tmp_path: Path) -> None:
     stopping.join(WAIT_S)
     assert not [e for e in run.seen if isinstance(e, RunRestarted)]
     assert "restarting" not in run.text.getvalue()
+
+
+def train() -> int:
+    return 1
+
+
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        ({"detach": True}, "detach=True asks for a launch where a detached run's supervisor"),
+        ({"max_restarts": -1}, "max_restarts"),
+    ],
+)
+def test_what_cannot_restart_is_refused_before_anything_starts(
+    nothing_started: Path, settings: dict[str, Any], fragment: str
+) -> None:
+    import nbaccel
+
+    given = {"max_restarts": 1, **settings}
+    with pytest.raises(nbaccel.ConfigError, match="max_restarts") as caught:
+        nbaccel.launch(train, num_processes=2, use_cpu=True, runs_dir=str(nothing_started),
+                       dashboard=False, **given)  # fmt: skip
+    assert fragment in str(caught.value)
+
+
+def test_a_one_machine_launch_with_restarts_runs_under_the_local_agent() -> None:
+    from nbaccel.launcher import api
+
+    planned = api.plan(train, (), 2, None, None, {"use_cpu": True, "max_restarts": 1})
+    assert planned.placement is not None and planned.placement.shell.kind == "local"
+    assert (planned.placement.hosts, planned.placement.shares) == (("127.0.0.1",), (2,))
+    plain = api.plan(train, (), 2, None, None, {"use_cpu": True})
+    assert plain.placement is None  # no restarts: the helper's workers, as before
