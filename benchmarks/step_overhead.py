@@ -12,7 +12,8 @@ cross-entropy on fixed random data) is trained on 2 CPU processes (gloo) started
   ``acc.backward``, ``opt.step``/``zero_grad`` and ``acc.log({"loss": loss.item()})`` every step,
   which sends a metric to the parent (``run.metrics``); **nbaccel, no log** leaves ``log`` out;
 * **accelerate**: the same code with ``accelerate.Accelerator()`` (the worker checks that it
-  reports MULTI_CPU with 2 processes and the launch's accumulation steps);
+  reports MULTI_CPU with 2 processes and the launch's accumulation steps).
+
 The **step-time breakdown** (issue 16: at most 1 % of a step) is on in every launched worker,
 so the nbaccel rows include it. Its cost has its own launch per repetition: one **nbaccel**
 loop (the same model, loader and ``log`` every step) whose breakdown is switched on and off
@@ -212,7 +213,8 @@ def breakdown_steps(rounds: int, warmup: int, hidden: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     arms = list(BREAKDOWN_ARMS)
-    step, batches, _info, timer = make_variant("nbaccel", dataset(warmup + rounds * 3), hidden)
+    data = dataset(warmup + rounds * len(arms))
+    step, batches, _info, timer = make_variant("nbaccel", data, hidden)
     wall: dict[str, list[float]] = {arm: [] for arm in arms}
     cpu: dict[str, list[float]] = {arm: [] for arm in arms}
     for index in range(warmup):
@@ -230,7 +232,8 @@ def breakdown_steps(rounds: int, warmup: int, hidden: int) -> dict[str, Any]:
     ranks_cpu: list[Any] = [None] * WORLD_SIZE
     dist.all_gather_object(ranks_cpu, cpu)
     summed = {
-        arm: [sum(step) for step in zip(*(r[arm] for r in ranks_cpu), strict=True)] for arm in arms
+        arm: [sum(ranks) for ranks in zip(*(r[arm] for r in ranks_cpu), strict=True)]
+        for arm in arms
     }
     return {"wall": wall, "cpu": summed, "marks_us": marks_cost()}
 
