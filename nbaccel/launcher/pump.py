@@ -248,7 +248,9 @@ class RunPump:
             for r in self._ranks:
                 self._on_exit(r, 0 if r.has_result else status, selector)
         elif op == "exited":
-            self._on_exit(self._ranks[message["rank"]], message["status"], selector)
+            r = self._ranks[message["rank"]]
+            if r.exitcode is None:  # else its last worker's end was already taken
+                self._on_exit(r, message["status"], selector)
         elif op == "worker_ended":
             self._on_worker_ended(message, selector)
         elif op == "restarted":
@@ -293,6 +295,11 @@ class RunPump:
         with restarts left a failure of that attempt; in the last one the arbiter hears of
         it before elastic's end reports every rank (the ranks it stopped after it, too)."""
         r, attempt, status = self._ranks[message["rank"]], message["attempt"], message["status"]
+        if not self._restartable(attempt) and r.exitcode is None:
+            # No attempt comes after this one (restarts used up, or a stop): the rank's
+            # process is gone, and waiting for elastic to return took 2-4 s more on a stop.
+            self._on_exit(r, status, selector)
+            return
         if status == 0:
             return
         while self._read(selector, r, "events"):
