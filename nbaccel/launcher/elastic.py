@@ -46,7 +46,7 @@ def launch_machines(
             "join_timeout": max(1, round(config.rdzv_timeout)),
             "is_host": config.machine_rank == 0,
         },
-        max_restarts=0,
+        max_restarts=config.max_restarts,  # torch elastic restarts every machine's workers
         monitor_interval=0.1,
         start_method="spawn",
         log_line_prefix_template="[rank ${rank}] ",

@@ -64,3 +64,10 @@ def test_a_total_that_does_not_split_starts_nothing(
     assert main([*COMMON, "--num_processes", "3", "train.py"]) == 2
     assert launched == [] and not (tmp_path / "nbaccel_runs").exists()
     assert "num_processes=3 cannot be split evenly over num_machines=2" in capsys.readouterr().err
+
+
+def test_max_restarts_reaches_torch_elastic(launched: list[Any]) -> None:
+    assert main([*COMMON, "--num_processes", "4", "--max_restarts", "2", "train.py"]) == 0
+    assert launched[0].max_restarts == 2
+    assert main([*COMMON, "--num_processes", "4", "train.py"]) == 0
+    assert launched[1].max_restarts == 0  # the default: a failure ends the job
