@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         from nbaccel.launcher.elastic import launch_machines
 
         # One folder per machine: several "machines" may share a host and a working folder.
-        stamp = time.strftime("%Y%m%d-%H%M%S")
+        # A random part, as every run id has: two launches in one second must not collide.
+        stamp = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
         run_dir = make_run_dir(config.runs_dir, f"{stamp}-elastic-m{config.machine_rank}")
         return launch_machines(config, args.target, args.module, list(args.target_args), run_dir)
     run_ = nbaccel.launch(
