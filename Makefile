@@ -91,6 +91,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/interrupt_latency.py
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/sharding_memory.py
+	$(PY) benchmarks/multi_host_launch.py
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) $(NEWEST_VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache
