@@ -5,10 +5,18 @@ rendezvous) this host's workers: ``nproc`` forks of the agent running
 ``agent_worker.run_elastic_worker``. Node 0 hosts the rendezvous store on the port it
 picked (``pick_port``); every node joins it at ``host0:port``. torch is imported here, in
 the agent: never in the kernel.
+
+A one-machine run (one node on a loopback address: ``hosts_launch.place_here``) listens on
+loopback only, as every one-machine run does. elastic's c10d TCPStores would listen on every
+interface (and its forked workers would inherit them), so there the rendezvous keeps its
+state in a file store in the agent's private folder (torch's own c10d backend, its
+``store_type=file``: no other node has to reach it), and the workers' store is not the
+agent's but rank 0's, on MASTER_ADDR (``agent_worker._start_distributed``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import socket
@@ -42,6 +50,25 @@ def pick_port(address: str) -> int:
         return int(probe.getsockname()[1])
 
 
+def on_loopback_only(start: dict[str, Any]) -> bool:
+    """Whether the launch is one node at a loopback address: nothing outside this machine
+    takes part, so nothing of it need listen beyond loopback.
+
+    >>> on_loopback_only({"nnodes": 1, "local_addr": "127.0.0.1"})
+    True
+    >>> on_loopback_only({"nnodes": 2, "local_addr": "127.0.0.1"})
+    False
+    >>> on_loopback_only({"nnodes": 1, "local_addr": "gpu-node-7"})
+    False
+    """
+    if start["nnodes"] != 1:
+        return False
+    try:
+        return ipaddress.ip_address(start["local_addr"]).is_loopback
+    except ValueError:  # a host name: a host of hosts=, reached by name
+        return False
+
+
 def run_host(
     start: dict[str, Any], worker_address: str, stop_fd: int
 ) -> tuple[bool, dict[int, int]]:
@@ -67,15 +94,24 @@ def run_host(
     os.write(payload_fd, start["payload"])
     # elastic keeps a folder of per-worker error files; ours, removed at the end.
     elastic_dir = tempfile.mkdtemp(prefix="nbaccel-elastic-")
-    host0, port = start["endpoint_host"], start["endpoint_port"]
+    rdzv_configs: dict[str, Any] = {"join_timeout": start["join_timeout"]}
+    if on_loopback_only(start):
+        endpoint = os.path.join(elastic_dir, "rendezvous")
+        rdzv_configs["store_type"] = "file"
+        # torch's switch: no TCPStore of the agent's for the workers (it would listen on
+        # every interface); rank 0 of each attempt serves theirs on MASTER_ADDR.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        endpoint = f"{start['endpoint_host']}:{start['endpoint_port']}"
+        rdzv_configs["is_host"] = start["node_rank"] == 0
     config = LaunchConfig(
         min_nodes=start["nnodes"],
         max_nodes=start["nnodes"],
         nproc_per_node=start["nproc"],
         run_id=start["run"],
         rdzv_backend="c10d",
-        rdzv_endpoint=f"{host0}:{port}",
-        rdzv_configs={"join_timeout": start["join_timeout"], "is_host": start["node_rank"] == 0},
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
         max_restarts=int(start.get("max_restarts", 0)),
         monitor_interval=0.1,
         start_method="fork",

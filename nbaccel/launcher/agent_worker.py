@@ -1,12 +1,13 @@
 """A worker started by torch elastic on a host of a several-machine launch (``agent_main.py``).
 
 torch elastic forks it from the host's agent with the torch.distributed variables set
-(RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT: the rendezvous' own
-store). It connects twice to the agent's private socket (its output, then its events), each
+(RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT: the store the agent
+shares with its workers, or on one machine the store rank 0 serves itself on MASTER_ADDR).
+It connects twice to the agent's private socket (its output, then its events), each
 connection opened with one hello frame naming its rank and attempt (elastic's restart
-count), and runs the shared bootstrap
-(``worker_bootstrap.run_payload``). The process group is started from the environment
-elastic set; nothing here chooses an address or a port.
+count), and runs the shared bootstrap (``worker_bootstrap.run_payload``). The process
+group is started from the environment elastic set; nothing here chooses an address or a
+port.
 """
 
 from __future__ import annotations
@@ -94,18 +95,24 @@ def _start_distributed(config: Config) -> None:
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=config.collective_timeout)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    # Not shared (a one-machine run: agent_run): rank 0 serves the store on a socket bound
+    # to MASTER_ADDR, where its peers connect; a TCPStore binding the port itself would
+    # listen on every interface.
+    listen_fd = _listen(address, port) if not shared and rank == 0 else None
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        address,
+        port,
+        world_size,
+        is_master=listen_fd is not None,
+        timeout=timeout,
+        multi_tenant=True,
+        master_listen_fd=listen_fd,
+    )
     # elastic's workers share one store across restarts (the rendezvous keeps it), so an
     # attempt's peers could read the addresses the previous attempt's workers left there
     # and fail to connect: each attempt keeps its keys under its own prefix.
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=not shared and rank == 0,
-        timeout=timeout,
-        multi_tenant=True,
-    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend=backend,
@@ -114,6 +121,18 @@ def _start_distributed(config: Config) -> None:
         world_size=world_size,
         timeout=timeout,
     )
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` only, for the store to take over (its fd)."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    server = socket.socket(family, kind, proto)
+    # elastic picked the port moments ago by binding and closing it; an earlier attempt's
+    # store may have used it too: its connections' TIME_WAIT must not stop the bind.
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(where)
+    server.listen(128)
+    return server.detach()
 
 
 def _finish() -> None:
