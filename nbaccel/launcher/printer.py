@@ -9,6 +9,7 @@ that restarts its workers (``max_restarts``) gets one line per restart.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TextIO
 
 from nbaccel.events import (
@@ -19,7 +20,6 @@ from nbaccel.events import (
     RunState,
     SettingsApplied,
     StepBreakdown,
-    WorkerStarted,
 )
 from nbaccel.metrics import StepBoard
 
@@ -27,8 +27,17 @@ from nbaccel.metrics import StepBoard
 class TextPrinter:
     """A run subscriber that writes the chosen ranks' output to a text stream."""
 
-    def __init__(self, stream: TextIO, ranks: frozenset[int] | None, announce_end: bool) -> None:
+    def __init__(
+        self,
+        stream: TextIO,
+        ranks: frozenset[int] | None,
+        announce_end: bool,
+        host_of: Callable[[int], str | None] = lambda rank: None,
+    ) -> None:
         self._stream = stream
+        # Asked per line (``Run.host_of``): a rank's first line can come before its
+        # WorkerStarted event (they travel on separate pipes), never before its host is known.
+        self._host_of = host_of
         self._ranks = ranks
         self._announce_end = announce_end
         self._open_rank: int | None = None  # whose "\r" progress line is being redrawn
@@ -37,15 +46,12 @@ class TextPrinter:
         # +10 % of a core in the kernel). Terminals and pipes are flushed per line.
         self._flush_per_line = not hasattr(stream, "flush_interval")
         self._steps = StepBoard()
-        self._hosts: dict[int, str] = {}  # rank -> host, on several machines
 
     def __call__(self, event: Event) -> None:
-        if isinstance(event, WorkerStarted) and event.host is not None:
-            self._hosts[event.rank] = event.host
-        elif isinstance(event, LogLine):
+        if isinstance(event, LogLine):
             if self._ranks is not None and event.rank not in self._ranks:
                 return
-            host = self._hosts.get(event.rank)
+            host = self._host_of(event.rank)
             label = f"[{host}:rank {event.rank}] " if host else ""
             label = label or (f"[rank {event.rank}] " if event.rank != 0 else "")
             text = label + event.text

@@ -72,6 +72,7 @@ class RemoteHosts:
         self._start: dict[str, Any] = {}
         self._finished: set[int] = set()  # agents that said "done" or "failed"
         self._agents: list[subprocess.Popen[bytes]] = []
+        self._readers: list[threading.Thread] = []
         self._stderr_paths: list[Path] = []
         try:
             for index, host in enumerate(self.hosts):
@@ -89,10 +90,14 @@ class RemoteHosts:
         except BaseException:
             self.close()
             raise
-        for index in range(len(self._agents)):
+        self._readers = [
             threading.Thread(
                 target=self._read_agent, args=(index,), name=f"nbaccel-agent-{index}", daemon=True
-            ).start()
+            )
+            for index in range(len(self._agents))
+        ]
+        for reader in self._readers:
+            reader.start()
 
     def configure(self, start: dict[str, Any]) -> None:
         """What every host's start message carries besides its own share (set before spawn)."""
@@ -134,6 +139,11 @@ class RemoteHosts:
             except subprocess.TimeoutExpired:
                 agent.kill()
                 agent.wait()
+        for reader in self._readers:  # each reads to its agent's end, then stops
+            if reader is not threading.current_thread():
+                reader.join(timeout=AGENT_EXIT_TIMEOUT)
+        for agent in self._agents:
+            _close_quietly(agent.stdout)  # else the fd stays open until garbage collection
         with self._lock:
             pipes, self._pipes = list(self._pipes.values()), {}
         for log_fd, event_fd in pipes:

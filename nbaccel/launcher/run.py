@@ -121,6 +121,10 @@ class Run(RunPump):
         """{rank: pid} of the workers that have started (for memory readings)."""
         return {r.rank: r.pid for r in self._ranks if r.pid is not None}
 
+    def host_of(self, rank: int) -> str | None:
+        """The host ``rank`` runs on, on several machines (``hosts=``); None on this one."""
+        return self._helper.host_of(rank) if self._helper is not None else None
+
     def subscribe(self, subscriber: Subscriber) -> None:
         """Receive every later event (called on the pump thread: keep it quick)."""
         self._subscribers.append(subscriber)

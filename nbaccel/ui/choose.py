@@ -64,6 +64,7 @@ def choose_display(dashboard: str | bool, *, blocking: bool) -> Display:
 
     def show_text(run: Run, gpus: int) -> None:
         shown = shown_ranks(run.config.log_ranks)
-        run.subscribe(TextPrinter(sys.stdout, shown, announce_end=not blocking))
+        printer = TextPrinter(sys.stdout, shown, announce_end=not blocking, host_of=run.host_of)
+        run.subscribe(printer)
 
     return show_text

@@ -322,6 +322,10 @@ class Dashboard(CellOutput, DashboardWidgets):
         self.visible_log = model.tail(self._rank)
         dropped = model.tail_state(self._rank)[1]
         self._set("log", self.log, "value", log_html(self.visible_log, dropped, self._rank))
+        labels = tuple((model.rank_label(r), r) for r in model.ranks)  # hosts, once known
+        if self._set("rank_options", self.rank_selector, "options", labels):
+            self._written.pop("rank", None)  # new options reset the value: put it back
+            self._set("rank", self.rank_selector, "value", self._rank)
         self._set("errors", self.errors, "value", errors_html(model.errors))
         self._set("steps", self.steps, "value", self.step_panel.html())
         names = model.metric_names

@@ -69,6 +69,7 @@ class Header:
     strategy: str
     precision: str
     attempt: str | None = None  # "attempt 2 of 3" once torch elastic restarted the workers
+    machines: int = 1  # hosts the ranks run on (hosts=...), as far as they have started
 
 
 class DashboardModel:
@@ -270,7 +271,19 @@ class DashboardModel:
             self.strategy,
             self.precision,
             self.attempt,
+            len(set(self.hosts.values())) or 1,
         )
+
+    def rank_label(self, rank: int) -> str:
+        """How the log selector names a rank: ``rank 3``, or ``node2:rank 3`` on hosts.
+
+        >>> model = DashboardModel(world_size=2)
+        >>> model.hosts[1] = "node2"
+        >>> model.rank_label(0), model.rank_label(1)
+        ('rank 0', 'node2:rank 1')
+        """
+        host = self.hosts.get(rank)
+        return f"{host}:rank {rank}" if host else f"rank {rank}"
 
     # ----- internals --------------------------------------------------------------
     def _tail(self, rank: int) -> LogTail:

@@ -67,8 +67,9 @@ def header_text(head: Header) -> str:
     strategy = head.strategy
     if strategy == "auto":
         strategy = "ddp" if head.world_size > 1 else "one process"
+    machines = f" on {head.machines} machines" if head.machines > 1 else ""
     parts += [
-        f"{head.world_size} {processes}",
+        f"{head.world_size} {processes}{machines}",
         strategy,
         _PRECISION.get(head.precision, head.precision),
     ]

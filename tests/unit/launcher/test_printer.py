@@ -54,12 +54,9 @@ def test_background_runs_announce_their_failure() -> None:
 
 
 def test_on_several_machines_every_rank_is_labelled_with_its_host() -> None:
-    from nbaccel.events import WorkerStarted
-
     out = io.StringIO()
-    printer = TextPrinter(out, None, announce_end=False)
-    printer(WorkerStarted(0, 11, 0.0, host="node1"))
-    printer(WorkerStarted(3, 12, 0.0, host="node2"))
-    printer(line(0, "a"))
+    hosts = {0: "node1", 3: "node2"}
+    printer = TextPrinter(out, None, announce_end=False, host_of=hosts.get)
+    printer(line(0, "a"))  # no WorkerStarted needed first: the run knows the host
     printer(line(3, "b"))
     assert out.getvalue() == "[node1:rank 0] a\n[node2:rank 3] b\n"

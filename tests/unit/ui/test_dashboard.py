@@ -191,6 +191,26 @@ def test_memory_peaks_are_the_highest_seen() -> None:
 
 
 # ----- the widgets --------------------------------------------------------------------
+def test_on_several_machines_the_header_counts_them_and_the_log_names_host_and_rank() -> None:
+    dash, clock = make_dashboard(world_size=4)
+    dash(RunStarted("run-1", 4, "/tmp/run-1", clock.now))
+    dash.rank_selector.value = 3  # the user's choice survives the relabelling
+    for rank, host in enumerate(["node1", "node1", "node2", "node2"]):
+        dash(WorkerStarted(rank, 100 + rank, clock.now, host=host))
+    dash(line(3, "from the second machine"))
+    dash.tick()
+    assert "4 processes on 2 machines" in dash.header.value
+    assert dash.rank_selector.options == (
+        ("node1:rank 0", 0),
+        ("node1:rank 1", 1),
+        ("node2:rank 2", 2),
+        ("node2:rank 3", 3),
+    )
+    assert dash.rank_selector.value == 3
+    assert "from the second machine" in dash.log.value
+    assert dash.model.pids == {}  # pids on other hosts are never sampled here
+
+
 def test_widgets_show_header_log_rank_selector_metrics_and_memory() -> None:
     dash, clock = make_dashboard()
     dash(RunStarted("run-1", 2, "/tmp/run-1", clock.now))
