@@ -74,10 +74,13 @@ xla: $(XLA_STAMP)
 # torch at the newest build on its disk): catches a dependency that moved since the lock
 # was made. Re-resolves on every call.
 # .ci/run builds this venv in the background while `make test` runs, then calls
-# `make test-newest NEWEST_READY=1`.
+# `make test-newest NEWEST_READY=1`. Of tests/multihost it runs the launch over ssh and the
+# preflight (torch elastic's TCP rendezvous); the restarts on hosts= and `nbaccel launch
+# --hosts` take the same paths, and tests/multiprocess's restart tests run here too.
 test-newest: $(if $(NEWEST_READY),,newest-venv)
 	@grep -iE '^(torch|cloudpickle|ipykernel|ipywidgets|accelerate|safetensors)==' $(NEWEST_VENV)/resolved.txt
-	$(NEWEST_PY) -m pytest tests/unit tests/multiprocess tests/multihost tests/notebook
+	$(NEWEST_PY) -m pytest tests/unit tests/multiprocess tests/notebook \
+		tests/multihost/test_preflight.py tests/multihost/test_hosts_launch.py
 
 newest-venv:
 	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)
