@@ -48,13 +48,15 @@ class WorkerStarted:
     """A worker process is up (before the function runs): its pid, for memory readings.
 
     ``host``: where it runs on a several-machine launch (the name the launch was given);
-    None on this machine. A pid on another host means nothing here.
+    None on this machine. A pid on another host means nothing here. The worker sends it
+    without a host; the parent fills it in.
     """
 
     rank: int
     pid: int
     time: float
     host: str | None = None
+    attempt: int = 0  # torch elastic's restart count (max_restarts): 0 for the first workers
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,48 @@ class RunEnded:
     time: float
 
 
+@dataclass(frozen=True)
+class ResultReady:
+    """A rank's function returned (worker -> parent only): its value, pickled, for
+    ``Run.result``/``results`` (unpickled there, only when asked)."""
+
+    rank: int
+    value: bytes
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """A rank's function raised or called ``sys.exit`` (worker -> parent only): what the
+    parent needs to raise it (``launcher.failures.build_error``).
+
+    ``type``: the exception's qualified name; ``exception``: it pickled, or None when it
+    cannot be; ``cause``: 'error' (its own), 'timeout' or 'peer' (caused by another rank).
+    """
+
+    rank: int
+    type: str
+    message: str
+    traceback: str
+    exception: bytes | None
+    cause: str
+    time: float
+
+
+# What a worker sends on its event pipe: these dataclasses, pickled, and nothing else. The
+# parent takes each by its type (``launcher.pump``) and sets ``rank`` from the pipe it came
+# on, so no worker can speak for another rank.
+WorkerMessage = (
+    WorkerStarted
+    | ModelPrepared
+    | SettingsApplied
+    | Metric
+    | DeviceMemory
+    | StepBreakdown
+    | ResultReady
+    | WorkerFailed
+)
+
+
 Event = (
     RunStarted
     | WorkerStarted
@@ -189,14 +233,15 @@ Event = (
 )
 
 
-def encode_frame(message: Mapping[str, Any]) -> bytes:
-    """Serialise one message for the event pipe.
+def encode_frame(message: object) -> bytes:
+    """Serialise one message (a ``WorkerMessage``, or a plain dict between nbaccel's own
+    processes) as a length-prefixed pickle.
 
     >>> decoder = FrameDecoder()
-    >>> decoder.feed(encode_frame({"kind": "metric", "step": 1}))
-    [{'kind': 'metric', 'step': 1}]
+    >>> decoder.feed(encode_frame(Metric(0, 1, {"loss": 0.5}, 0.0)))
+    [Metric(rank=0, step=1, values={'loss': 0.5}, time=0.0)]
     """
-    body = pickle.dumps(dict(message), protocol=pickle.HIGHEST_PROTOCOL)
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
 
 
@@ -206,7 +251,7 @@ class FrameDecoder:
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes) -> list[Any]:
         self._buffer += data
         messages = []
         while len(self._buffer) >= _HEADER.size:
@@ -239,12 +284,12 @@ class EventWriter:
         self._flusher: threading.Thread | None = None
         self._closed = False
 
-    def send(self, message: Mapping[str, Any]) -> None:
+    def send(self, message: object) -> None:
         with self._lock:
             self._pending += encode_frame(message)
             self._write_pending()
 
-    def send_batched(self, message: Mapping[str, Any]) -> None:
+    def send_batched(self, message: object) -> None:
         with self._lock:
             first_held = not self._pending
             self._pending += encode_frame(message)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbaccel.context import active_session
-from nbaccel.events import StepBreakdown
+from nbaccel.events import Metric, ModelPrepared, SettingsApplied, StepBreakdown
 
 STRAGGLER_THRESHOLD = 0.15  # a rank busy 15 % longer per step than the others' median
 PHASES = ("data", "forward", "backward", "communication", "optimizer", "other")
@@ -42,9 +42,8 @@ def log_metrics(values: Mapping[str, Any], step: int | None = None) -> dict[str,
         step = session.metric_steps if session else 0
     if session is not None:
         session.metric_steps = step + 1
-        session.events.send_batched(
-            {"kind": "metric", "step": int(step), "values": scalars, "time": time.time()}
-        )
+        rank = session.context.rank
+        session.events.send_batched(Metric(rank, int(step), scalars, time.time()))
     return {**scalars, "step": int(step)}
 
 
@@ -57,7 +56,8 @@ def report_model(num_params: int) -> None:
     """
     session = active_session()
     if session is not None:
-        session.events.send({"kind": "model", "num_params": int(num_params), "time": time.time()})
+        rank = session.context.rank
+        session.events.send(ModelPrepared(rank, int(num_params), time.time()))
 
 
 def report_settings(values: dict[str, Any], sources: dict[str, str]) -> None:
@@ -70,9 +70,8 @@ def report_settings(values: dict[str, Any], sources: dict[str, str]) -> None:
     """
     session = active_session()
     if session is not None and values:
-        session.events.send(
-            {"kind": "settings", "values": values, "sources": sources, "time": time.time()}
-        )
+        rank = session.context.rank
+        session.events.send(SettingsApplied(rank, values, sources, time.time()))
 
 
 def report_step_breakdown(window: Mapping[str, Any]) -> None:
@@ -84,7 +83,12 @@ def report_step_breakdown(window: Mapping[str, Any]) -> None:
     """
     session = active_session()
     if session is not None:
-        session.events.send_batched({"kind": "step_breakdown", **window, "time": time.time()})
+        window_fields = {name: window[name] for name in _WINDOW_FIELDS}
+        rank = session.context.rank
+        session.events.send_batched(StepBreakdown(rank, **window_fields, time=time.time()))
+
+
+_WINDOW_FIELDS = ("steps", "phases", "samples", "tokens", "peak_memory")  # StepBreakdown's
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import EventWriter, encode_frame
+from nbaccel.events import EventWriter, WorkerStarted, encode_frame
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.worker_bootstrap import capture_output, run_payload
 
@@ -51,7 +51,7 @@ def run_elastic_worker(
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     capture_output(_connect(address, rank, "log", attempt))
     events = EventWriter(_connect(address, rank, "events", attempt))
-    events.send({"kind": "started", "pid": os.getpid(), "time": time.time(), "attempt": attempt})
+    events.send(WorkerStarted(rank, os.getpid(), time.time(), attempt=attempt))
     context = ProcessContext(
         rank=rank,
         local_rank=int(os.environ["LOCAL_RANK"]),

@@ -15,25 +15,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+
+from nbaccel.events import DeviceMemory
 
 RESEND_SECONDS = 5.0  # an unchanged reading is sent again this often (a sign of life)
 STOP_TIMEOUT = 2.0  # how long stop() waits for the thread
 
 
 def start_device_memory_reports(
-    send: Callable[[dict[str, Any]], None],
+    send: Callable[[DeviceMemory], None],
     device: str,
     read: Callable[[], Mapping[str, int]],
     interval: float = 1.0,
     *,
+    rank: int,
     resend: float = RESEND_SECONDS,
 ) -> Callable[[], None]:
     """Start a daemon thread that reports ``read()`` through ``send``; return its ``stop()``.
 
     Every ``interval`` seconds (the first time at once) the thread calls ``read()``, a
-    mapping like ``xm.get_memory_info(device)``'s, and sends ``{"kind": "device_memory",
-    "device", "used", "peak", "limit", "time"}`` (``peak``/``limit`` None when missing) when
+    mapping like ``xm.get_memory_info(device)``'s, and sends a ``DeviceMemory`` of ``rank``
+    (``peak``/``limit`` None when missing) when
     the reading changed, or every ``resend`` seconds when it did not. The first exception,
     from ``read()`` or ``send``, ends the thread for good without sending anything: the CPU
     XLA device raises ``RuntimeError('Bad StatusOr access: UNIMPLEMENTED: GetAllocatorStats
@@ -42,14 +44,14 @@ def start_device_memory_reports(
 
     >>> sent = []
     >>> info = {"bytes_used": 2048, "peak_bytes_used": 4096, "bytes_limit": 2**34}
-    >>> stop = start_device_memory_reports(sent.append, "xla:0", lambda: info, interval=60)
+    >>> stop = start_device_memory_reports(sent.append, "xla:0", lambda: info, 60, rank=0)
     >>> stop()
-    >>> [(m["kind"], m["device"], m["used"], m["peak"], m["limit"]) for m in sent]
-    [('device_memory', 'xla:0', 2048, 4096, 17179869184)]
+    >>> [(m.rank, m.device, m.used, m.peak, m.limit) for m in sent]
+    [(0, 'xla:0', 2048, 4096, 17179869184)]
     >>> def unsupported():
     ...     raise RuntimeError("UNIMPLEMENTED: GetAllocatorStats is not supported")
     >>> sent.clear()
-    >>> start_device_memory_reports(sent.append, "xla:0", unsupported)()
+    >>> start_device_memory_reports(sent.append, "xla:0", unsupported, rank=0)()
     >>> sent
     []
     """
@@ -64,8 +66,7 @@ def start_device_memory_reports(
                 now = time.monotonic()
                 if reading != last or now - last_sent >= resend:
                     used, peak, limit = reading
-                    message = {"kind": "device_memory", "device": device, "used": used}
-                    send({**message, "peak": peak, "limit": limit, "time": time.time()})
+                    send(DeviceMemory(rank, device, used, peak, limit, time.time()))
                     last, last_sent = reading, now
             except Exception:  # noqa: BLE001 - unsupported device or closed pipe: stop quietly
                 return

@@ -12,9 +12,9 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
+from nbaccel.events import WorkerFailed
 
 # Lower sorts first: a rank's own error or death beats a failure caused by a peer.
 _PRIORITY = {"error": 0, "exit": 0, "timeout": 1, "peer": 2}
@@ -27,7 +27,7 @@ class Failure:
     rank: int
     cause: str
     time: float
-    report: Mapping[str, Any] | None = None  # the worker's error event, if it sent one
+    report: WorkerFailed | None = None  # what the worker sent about it, if it could
     exitcode: int | None = None
     error: BaseException | None = None  # a launcher-side failure (the helper died)
 
@@ -48,15 +48,15 @@ def describe_failure(failure: Failure) -> str:
 
     >>> describe_failure(Failure(rank=1, cause="exit", time=0.0, exitcode=-9))
     'killed by SIGKILL'
-    >>> describe_failure(Failure(1, "error", 0.0, report={"type": "builtins.ValueError",
-    ...                                                    "message": "bad shard"}))
+    >>> report = WorkerFailed(1, "builtins.ValueError", "bad shard", "", None, "error", 0.0)
+    >>> describe_failure(Failure(1, "error", 0.0, report=report))
     'raised ValueError: bad shard'
     """
     if failure.error is not None:
         return str(failure.error).splitlines()[0]
     if failure.report is not None:
-        kind = str(failure.report["type"]).rsplit(".", 1)[-1]
-        message = str(failure.report["message"]).strip().splitlines()
+        kind = failure.report.type.rsplit(".", 1)[-1]
+        message = failure.report.message.strip().splitlines()
         return f"raised {kind}" + (f": {message[0]}" if message else "")
     if failure.exitcode is None:
         return "its process ended without a result"
@@ -108,22 +108,22 @@ def build_error(
         return exited
     at = f" on host {host}" if host is not None else ""
     at += f" {attempt_text(*restarts)}" if restarts is not None else ""
-    remote = RemoteTraceback(f"Traceback from rank {failure.rank}{at}:\n{report['traceback']}")
+    remote = RemoteTraceback(f"Traceback from rank {failure.rank}{at}:\n{report.traceback}")
     if failure.cause == "timeout":
         error: BaseException = _timeout_error(
             failure, collective_timeout, stuck_ranks, stuck_logs or {}
         )
     else:
         what = (
-            f"called sys.exit({report['message']})"
-            if report["type"] == "builtins.SystemExit"
-            else f"raised {report['type']}: {report['message']}"
+            f"called sys.exit({report.message})"
+            if report.type == "builtins.SystemExit"
+            else f"raised {report.type}: {report.message}"
         )
         original = _original_exception(report)
         if original is not None:
             _name_rank(original, failure.rank, world_size, at)
         error = original or WorkerError(
-            f"rank {failure.rank}{at} {what}", rank=failure.rank, exc_type=report["type"]
+            f"rank {failure.rank}{at} {what}", rank=failure.rank, exc_type=report.type
         )
     error.__cause__ = remote
     return error
@@ -148,7 +148,7 @@ def _timeout_error(
     return CollectiveTimeout(message, rank=failure.rank, stuck_ranks=tuple(stuck))
 
 
-def _original_exception(report: Mapping[str, Any]) -> BaseException | None:
+def _original_exception(report: WorkerFailed) -> BaseException | None:
     """Unpickle the worker's exception, but only if its module is already loaded here.
 
     That keeps the parent free of torch (a torch error becomes a WorkerError naming it) and
@@ -156,11 +156,11 @@ def _original_exception(report: Mapping[str, Any]) -> BaseException | None:
     Only ``Exception`` subclasses come back: a worker's SystemExit or KeyboardInterrupt
     re-raised here would end the parent's script or look like the user's own interrupt.
     """
-    module = str(report["type"]).rsplit(".", 1)[0]
-    if report.get("exception") is None or module.split(".")[0] not in sys.modules:
+    module = report.type.rsplit(".", 1)[0]
+    if report.exception is None or module.split(".")[0] not in sys.modules:
         return None
     try:
-        error = pickle.loads(report["exception"])
+        error = pickle.loads(report.exception)
     except Exception:  # noqa: BLE001 - any failure falls back to WorkerError
         return None
     return error if isinstance(error, Exception) else None

@@ -16,6 +16,7 @@ last attempt ends the run as without restarts; a stop ends it at once in any att
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -40,10 +41,13 @@ from nbaccel.events import (
     Metric,
     ModelPrepared,
     RankExited,
+    ResultReady,
     RunEnded,
     RunState,
     SettingsApplied,
     StepBreakdown,
+    WorkerFailed,
+    WorkerMessage,
     WorkerStarted,
 )
 from nbaccel.launcher.arbiter import Arbiter
@@ -185,57 +189,46 @@ class RunPump:
         for text, replace, partial in lines:
             self._emit(LogLine(r.rank, text, replace, partial, now))
 
-    def _on_worker_message(self, r: RankPipes, message: dict[str, Any]) -> None:
-        kind = message["kind"]
-        if kind == "started":
-            attempt = int(message.get("attempt", 0))
-            if attempt != r.attempt:  # the rank's worker of a new attempt: nothing is kept
-                r.attempt, r.result, r.has_result = attempt, None, False
-            r.pid = message["pid"]
-            host = self._helper.host_of(r.rank) if self._helper is not None else None
-            self._emit(WorkerStarted(r.rank, message["pid"], message["time"], host))
-        elif kind == "device_memory":  # torch_xla workers read their own device
-            self._emit(
-                DeviceMemory(
-                    r.rank,
-                    message["device"],
-                    message["used"],
-                    message["peak"],
-                    message["limit"],
-                    message["time"],
-                )
-            )
-        elif kind == "model":
-            self._emit(ModelPrepared(r.rank, message["num_params"], message["time"]))
-        elif kind == "settings" and r.rank == 0:
-            values, sources = message["values"], message["sources"]
-            # Beside config.json (the launch's): what the Accelerator made of it.
-            with private_file(self.run_dir / "accelerator_config.json") as file:
-                json.dump({"values": values, "sources": sources}, file, indent=2, default=str)
-            self._record({"event": "settings", "rank": r.rank, "values": values})
-            self._emit(SettingsApplied(r.rank, values, sources, message["time"]))
-        elif kind == "metric":
-            event = Metric(r.rank, message["step"], message["values"], message["time"])
-            entry = {"event": "metric", "rank": r.rank, "step": message["step"]}
-            self._record({**entry, "values": message["values"]})
-            if r.rank == 0:
-                with self._records_lock:
-                    self._metrics.append({**message["values"], "step": message["step"]})
-                    self._metrics_seen += 1
-            self._emit(event)
-        elif kind == "step_breakdown":
-            fields = ("steps", "phases", "samples", "tokens", "peak_memory")
-            window = {f: message[f] for f in fields}
-            self._record({"event": "step_breakdown", "rank": r.rank, **window})
-            self._emit(StepBreakdown(r.rank, **window, time=message["time"]))
-        elif kind == "result":
-            r.result, r.has_result = message["value"], True
-            with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:
-                file.write(message["value"])
-        elif kind == "error":
-            self._fail(
-                Failure(r.rank, message["cause"], message["time"], report=message), r.attempt
-            )
+    def _on_worker_message(self, r: RankPipes, message: object) -> None:
+        if not isinstance(message, WorkerMessage):
+            return  # not one of nbaccel's messages: a stray write to the pipe is ignored
+        # The pipe says which rank sent it: no worker speaks for another.
+        message = dataclasses.replace(message, rank=r.rank)
+        match message:
+            case WorkerStarted():
+                if message.attempt != r.attempt:  # a new attempt's worker: nothing is kept
+                    r.attempt, r.result, r.has_result = message.attempt, None, False
+                r.pid = message.pid
+                host = self._helper.host_of(r.rank) if self._helper is not None else None
+                self._emit(dataclasses.replace(message, host=host))
+            case SettingsApplied() if r.rank == 0:
+                # Beside config.json (the launch's): what the Accelerator made of it.
+                with private_file(self.run_dir / "accelerator_config.json") as file:
+                    record = {"values": message.values, "sources": message.sources}
+                    json.dump(record, file, indent=2, default=str)
+                self._record({"event": "settings", "rank": r.rank, "values": message.values})
+                self._emit(message)
+            case Metric():
+                entry = {"event": "metric", "rank": r.rank, "step": message.step}
+                self._record({**entry, "values": message.values})
+                if r.rank == 0:
+                    with self._records_lock:
+                        self._metrics.append({**message.values, "step": message.step})
+                        self._metrics_seen += 1
+                self._emit(message)
+            case StepBreakdown():
+                window = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+                del window["rank"], window["time"]
+                self._record({"event": "step_breakdown", "rank": r.rank, **window})
+                self._emit(message)
+            case ResultReady():
+                r.result, r.has_result = message.value, True
+                with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:
+                    file.write(message.value)
+            case WorkerFailed():
+                self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
+            case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own
+                self._emit(message)
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import EventWriter
+from nbaccel.events import EventWriter, WorkerStarted
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.worker_bootstrap import capture_output, run_payload
 
@@ -55,7 +55,7 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     else:
         events = EventWriter(events_fd)
         context: ProcessContext = request["context"]
-        events.send({"kind": "started", "pid": os.getpid(), "time": time.time()})
+        events.send(WorkerStarted(context.rank, os.getpid(), time.time()))
         listen_fd = rest[0] if rest else None
         code = run_payload(
             context,

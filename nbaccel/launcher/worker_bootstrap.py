@@ -26,7 +26,7 @@ import torch
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
-from nbaccel.events import EventWriter
+from nbaccel.events import EventWriter, ResultReady, WorkerFailed
 from nbaccel.launcher import pickling, script
 from nbaccel.xla_plan import XlaPlan
 
@@ -78,7 +78,7 @@ def run_payload(
             if exit_request.code not in (0, None):
                 raise
             value = None
-        events.send({"kind": "result", "value": _dump_result(context.rank, value)})
+        events.send(ResultReady(context.rank, _dump_result(context.rank, value)))
         finish()
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
@@ -101,8 +101,8 @@ def _dump_result(rank: int, value: Any) -> bytes:
         ) from error
 
 
-def error_message(error: BaseException, rank: int) -> dict[str, Any]:
-    """The event describing an exception, with a traceback that starts in user code."""
+def error_message(error: BaseException, rank: int) -> WorkerFailed:
+    """The message describing an exception, with a traceback that starts in user code."""
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCHER_FRAMES:
         tb = tb.tb_next
@@ -110,16 +110,15 @@ def error_message(error: BaseException, rank: int) -> dict[str, Any]:
         pickled: bytes | None = pickling.dumps(error)
     except Exception:  # noqa: BLE001 - the parent falls back to WorkerError
         pickled = None
-    return {
-        "kind": "error",
-        "rank": rank,
-        "type": f"{type(error).__module__}.{type(error).__qualname__}",
-        "message": str(error),
-        "traceback": "".join(traceback.format_exception(type(error), error, tb)),
-        "exception": pickled,
-        "cause": classify_failure(error),
-        "time": time.time(),
-    }
+    return WorkerFailed(
+        rank=rank,
+        type=f"{type(error).__module__}.{type(error).__qualname__}",
+        message=str(error),
+        traceback="".join(traceback.format_exception(type(error), error, tb)),
+        exception=pickled,
+        cause=classify_failure(error),
+        time=time.time(),
+    )
 
 
 # Frames above the user's code that a traceback need not show.

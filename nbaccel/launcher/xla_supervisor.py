@@ -16,6 +16,7 @@ for torch_xla's own start-up errors (a busy chip, ...), explained with the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import socket
@@ -119,9 +120,7 @@ class Handout:
 
 def report(event_fd: int, rank: int, error: BaseException, cause: str = "error") -> None:
     """Write a failure onto a rank's event pipe (only once that rank's worker is gone)."""
-    message = error_message(error, rank)
-    message["cause"] = cause
-    EventWriter(event_fd).send(message)
+    EventWriter(event_fd).send(dataclasses.replace(error_message(error, rank), cause=cause))
 
 
 def supervise(request: dict[str, Any], fds: list[int]) -> int:

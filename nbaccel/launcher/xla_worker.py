@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import EventWriter
+from nbaccel.events import EventWriter, WorkerStarted
 from nbaccel.launcher import control
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.worker_bootstrap import capture_output, error_message, run_payload
@@ -68,7 +68,7 @@ def _run_rank(
     log_fd: int,
 ) -> int:
     _set_up(request, log_fd, threaded=plan.devices_per_process > 1)
-    events.send({"kind": "started", "pid": os.getpid(), "time": time.time()})
+    events.send(WorkerStarted(context.rank, os.getpid(), time.time()))
     stop_memory = _report_memory(events, plan, context.rank)
     try:
         return run_payload(
@@ -169,7 +169,8 @@ def _report_memory(events: EventWriter, plan: XlaPlan, rank: int) -> Callable[[]
 
     device = torch_xla.device()  # this thread's device (threaded devices differ per thread)
     label = f"{plan.device}:{rank}"
-    return start_device_memory_reports(events.send, label, lambda: xm.get_memory_info(device))
+    read = lambda: xm.get_memory_info(device)  # noqa: E731 - the reporter's reading
+    return start_device_memory_reports(events.send, label, read, rank=rank)
 
 
 def _flush() -> None:

@@ -65,9 +65,11 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def test_a_changed_reading_is_sent_and_an_unchanged_one_is_not_repeated() -> None:
-    sent: list[dict[str, Any]] = []
+    sent: list[DeviceMemory] = []
     read = FakeRead()
-    stop = start_device_memory_reports(sent.append, "xla:0", read, interval=0.001, resend=600)
+    stop = start_device_memory_reports(
+        sent.append, "xla:0", read, interval=0.001, resend=600, rank=0
+    )
     try:
         assert read.calls(20)  # 20 equal readings: one message
         assert len(sent) == 1
@@ -76,35 +78,37 @@ def test_a_changed_reading_is_sent_and_an_unchanged_one_is_not_repeated() -> Non
         assert wait_until(lambda: len(sent) == 2)
     finally:
         stop()
-    assert [m["used"] for m in sent] == [GiB, 3 * GiB]
+    assert [m.used for m in sent] == [GiB, 3 * GiB]
     first = sent[0]
-    assert first["kind"] == "device_memory" and first["device"] == "xla:0"
-    assert (first["peak"], first["limit"]) == (2 * GiB, 16 * GiB)
-    assert abs(first["time"] - time.time()) < 60
+    assert isinstance(first, DeviceMemory) and (first.rank, first.device) == (0, "xla:0")
+    assert (first.peak, first.limit) == (2 * GiB, 16 * GiB)
+    assert abs(first.time - time.time()) < 60
 
 
 def test_an_unchanged_reading_is_sent_again_after_the_resend_period() -> None:
-    sent: list[dict[str, Any]] = []
+    sent: list[DeviceMemory] = []
     read = FakeRead()
-    stop = start_device_memory_reports(sent.append, "xla:0", read, interval=0.001, resend=0.0)
+    stop = start_device_memory_reports(
+        sent.append, "xla:0", read, interval=0.001, resend=0.0, rank=0
+    )
     try:
         assert wait_until(lambda: len(sent) >= 3)
     finally:
         stop()
-    assert {m["used"] for m in sent} == {GiB}
+    assert {m.used for m in sent} == {GiB}
 
 
 def test_missing_peak_and_limit_are_none() -> None:
-    sent: list[dict[str, Any]] = []
-    stop = start_device_memory_reports(sent.append, "xla:1", lambda: {"bytes_used": 5}, 60)
+    sent: list[DeviceMemory] = []
+    stop = start_device_memory_reports(sent.append, "xla:1", lambda: {"bytes_used": 5}, 60, rank=0)
     stop()
-    assert [(m["used"], m["peak"], m["limit"]) for m in sent] == [(5, None, None)]
+    assert [(m.used, m.peak, m.limit) for m in sent] == [(5, None, None)]
 
 
 def test_an_unsupported_device_stops_the_reporter_quietly() -> None:
-    sent: list[dict[str, Any]] = []
+    sent: list[DeviceMemory] = []
     read = FakeRead(fail=RuntimeError("Bad StatusOr access: UNIMPLEMENTED: GetAllocatorStats"))
-    stop = start_device_memory_reports(sent.append, "xla:0", read, interval=0.001)
+    stop = start_device_memory_reports(sent.append, "xla:0", read, interval=0.001, rank=0)
     assert read.calls(1)
     assert not read.calls(2, timeout=0.2)  # it never reads again
     stop()
@@ -114,10 +118,10 @@ def test_an_unsupported_device_stops_the_reporter_quietly() -> None:
 def test_a_failing_send_stops_the_reporter() -> None:
     read = FakeRead()
 
-    def send(message: dict[str, Any]) -> None:
+    def send(message: DeviceMemory) -> None:
         raise BrokenPipeError("the parent is gone")
 
-    stop = start_device_memory_reports(send, "xla:0", read, interval=0.001)
+    stop = start_device_memory_reports(send, "xla:0", read, interval=0.001, rank=0)
     assert read.calls(1)
     assert not read.calls(2, timeout=0.2)
     stop()
@@ -125,8 +129,8 @@ def test_a_failing_send_stops_the_reporter() -> None:
 
 def test_stop_ends_the_thread_promptly_even_with_a_long_interval() -> None:
     read = FakeRead()
-    sent: list[dict[str, Any]] = []
-    stop = start_device_memory_reports(sent.append, "xla:0", read, interval=3600)
+    sent: list[DeviceMemory] = []
+    stop = start_device_memory_reports(sent.append, "xla:0", read, interval=3600, rank=0)
     assert read.calls(1)
     started = time.monotonic()
     stop()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import signal
 
 import pytest
 
 from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
+from nbaccel.events import WorkerFailed
 from nbaccel.launcher.arbiter import ARBITRATION_SECONDS, PEER_PATIENCE_SECONDS, Arbiter
 from nbaccel.launcher.failures import Failure, build_error, choose_culprit
 
@@ -18,18 +20,17 @@ class CellError(Exception):
 
 def report(
     error: BaseException, rank: int = 1, cause: str = "error", module: str | None = None
-) -> dict:
+) -> WorkerFailed:
     type_name = f"{module or type(error).__module__}.{type(error).__qualname__}"
-    return {
-        "kind": "error",
-        "rank": rank,
-        "type": type_name,
-        "message": str(error),
-        "traceback": f'  File "cell-3", line 4, in train\n    raise {type(error).__name__}\n',
-        "exception": pickle.dumps(error),
-        "cause": cause,
-        "time": 0.0,
-    }
+    return WorkerFailed(
+        rank=rank,
+        type=type_name,
+        message=str(error),
+        traceback=f'  File "cell-3", line 4, in train\n    raise {type(error).__name__}\n',
+        exception=pickle.dumps(error),
+        cause=cause,
+        time=0.0,
+    )
 
 
 def test_own_error_beats_earlier_peer_failures() -> None:
@@ -66,7 +67,7 @@ def test_exception_from_an_unloaded_module_becomes_worker_error() -> None:
     # the kernel: it is described, not unpickled. (Not torch itself here: other tests in this
     # process may have imported it.)
     rep = report(RuntimeError("gloo exploded"), module="never_loaded_lib.distributed")
-    rep["type"] = "never_loaded_lib.distributed.DistBackendError"
+    rep = dataclasses.replace(rep, type="never_loaded_lib.distributed.DistBackendError")
     error = build_error(Failure(0, "error", 0.0, report=rep), world_size=2, collective_timeout=1)
     assert type(error) is WorkerError
     assert error.rank == 0
@@ -77,8 +78,7 @@ def test_exception_from_an_unloaded_module_becomes_worker_error() -> None:
 
 
 def test_unpicklable_exception_becomes_worker_error() -> None:
-    rep = report(ValueError("x"))
-    rep["exception"] = None
+    rep = dataclasses.replace(report(ValueError("x")), exception=None)
     error = build_error(Failure(1, "error", 0.0, report=rep), world_size=2, collective_timeout=1)
     assert type(error) is WorkerError and "builtins.ValueError: x" in str(error)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nbaccel.config.schema import Config
+from nbaccel.events import Metric
 from nbaccel.launcher.pump import RankPipes
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import private_file
@@ -13,7 +14,7 @@ from nbaccel.launcher.run_folder import private_file
 def logged(run: Run, rank: int, step: int, values: dict[str, float]) -> None:
     """What the pump does with a worker's metric message."""
     pipes = RankPipes(rank, log_file=None, log_fd=-1, event_fd=-1)
-    run._on_worker_message(pipes, {"kind": "metric", "step": step, "values": values, "time": 0})
+    run._on_worker_message(pipes, Metric(rank, step, values, 0.0))
 
 
 def test_a_long_run_keeps_a_window_and_still_returns_every_metric(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import Event, EventWriter, RunRestarted, RunState
+from nbaccel.events import Event, EventWriter, ResultReady, RunRestarted, RunState, WorkerStarted
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.worker_bootstrap import error_message
@@ -59,11 +59,11 @@ class Started:
             self.restarted.set()
 
     def started(self, rank: int, attempt: int) -> None:
-        self.events[rank].send({"kind": "started", "pid": 100 + 10 * attempt + rank,
-                                "time": 0.0, "attempt": attempt})  # fmt: skip
+        pid = 100 + 10 * attempt + rank
+        self.events[rank].send(WorkerStarted(rank, pid, 0.0, attempt=attempt))
 
     def result(self, rank: int, value: Any) -> None:
-        self.events[rank].send({"kind": "result", "value": pickle.dumps(value)})
+        self.events[rank].send(ResultReady(rank, pickle.dumps(value)))
 
     def error(self, rank: int, error: BaseException) -> None:
         try:

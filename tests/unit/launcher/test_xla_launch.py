@@ -19,7 +19,14 @@ import pytest
 import nbaccel
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import DeviceMemory, EventWriter, RunState
+from nbaccel.events import (
+    DeviceMemory,
+    EventWriter,
+    ResultReady,
+    RunState,
+    WorkerFailed,
+    WorkerStarted,
+)
 from nbaccel.launcher import api
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.worker_bootstrap import error_message
@@ -139,10 +146,9 @@ def test_the_supervisors_exit_ends_every_rank_and_results_come_back(tmp_path: Pa
         log_fd, event_fd = fds[1 + 2 * rank], fds[2 + 2 * rank]
         os.write(log_fd, f"hello from {rank}\n".encode())
         events = EventWriter(event_fd)
-        events.send({"kind": "started", "pid": 1000 + rank, "time": 0.0})
-        events.send({"kind": "device_memory", "device": f"TPU:{rank}", "used": 5 << 20,
-                     "peak": 6 << 20, "limit": 16 << 30, "time": 0.0})  # fmt: skip
-        events.send({"kind": "result", "value": pickle.dumps(rank * 10)})
+        events.send(WorkerStarted(rank, 1000 + rank, 0.0))
+        events.send(DeviceMemory(rank, f"TPU:{rank}", 5 << 20, 6 << 20, 16 << 30, 0.0))
+        events.send(ResultReady(rank, pickle.dumps(rank * 10)))
     close_all(helper)
     helper.listener({"op": "exited", "run": "r1", "rank": 0, "status": 0})
     assert run.wait(timeout=10) is RunState.SUCCEEDED
@@ -157,7 +163,7 @@ def test_the_supervisors_exit_ends_every_rank_and_results_come_back(tmp_path: Pa
 def test_a_rank_error_stops_the_whole_supervisor_group(tmp_path: Path) -> None:
     run, helper = start_supervised_run(tmp_path, world=2)
     [(_, fds)] = helper.spawned
-    EventWriter(fds[2]).send({"kind": "result", "value": pickle.dumps(0)})
+    EventWriter(fds[2]).send(ResultReady(0, pickle.dumps(0)))
     try:
         raise KeyError("label")
     except KeyError as error:
@@ -210,6 +216,6 @@ def test_a_busy_chip_at_start_up_is_reported_on_rank_0_with_the_fix(
         os.close(r)
     [error] = events[0]  # rank 0 (the first rank that had not finished) carries it
     assert events[1] == []  # the others end as the supervisor's exit, not as culprits
-    assert error["kind"] == "error" and error["rank"] == 0
-    assert "another process" in error["message"].lower() and "lsof" in error["message"]
-    assert "Device or resource busy" in error["message"]  # torch_xla's own words kept
+    assert isinstance(error, WorkerFailed) and error.rank == 0
+    assert "another process" in error.message.lower() and "lsof" in error.message
+    assert "Device or resource busy" in error.message  # torch_xla's own words kept
