@@ -1,9 +1,10 @@
 """The event stream from workers to the parent, and the events that subscribers receive.
 
-Workers write length-prefixed pickled dicts of plain values to a pipe that only their
-parent holds (inherited, never a listening socket: nothing else can connect or inject).
-The parent turns them, and the workers' captured output, into the frozen events below,
-which the text printer, the dashboard and ``Run`` consume. Plain data, stdlib only.
+Workers write length-prefixed pickles of the dataclasses below (``WorkerMessage``) to a
+pipe that only their parent holds (inherited, never a listening socket: nothing else can
+connect or inject). The parent takes each by its type, sets its rank from the pipe, and
+passes it on with the events it makes itself (log lines, exits, the end) to the text
+printer, the dashboard and ``Run``. Plain data, stdlib only.
 """
 
 from __future__ import annotations

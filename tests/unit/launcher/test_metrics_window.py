@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from nbaccel.config.schema import Config
 from nbaccel.events import Metric
@@ -51,3 +52,16 @@ def test_a_zero_window_keeps_nothing_in_memory(tmp_path: Path) -> None:
     assert len(run._metrics) == 0
     assert [m["loss"] for m in run.metrics] == [0.0, 1.0, 2.0]
     run._events_file.close()
+
+
+def test_a_worker_cannot_speak_for_another_rank(tmp_path: Path) -> None:
+    # The pipe a message came on says whose it is, whatever rank the message names.
+    run = Run("r", tmp_path, Config(), world_size=2)
+    run._events_file = private_file(tmp_path / "events.jsonl", "a")
+    seen: list[Any] = []
+    run.subscribe(seen.append)
+    pipes = RankPipes(1, log_file=None, log_fd=-1, event_fd=-1)
+    run._on_worker_message(pipes, Metric(0, 7, {"loss": 1.0}, 0.0))  # claims rank 0
+    run._on_worker_message(pipes, {"kind": "metric", "step": 8})  # not nbaccel's: ignored
+    assert [(e.rank, e.step) for e in seen] == [(1, 7)]
+    assert run.metrics == []  # rank 0's curve is rank 0's alone
