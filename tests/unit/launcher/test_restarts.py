@@ -72,7 +72,12 @@ class Started:
             self.events[rank].send(error_message(raised, rank))
 
     def post(self, message: dict[str, Any]) -> None:
-        self.helper.listener({**message, "run": "r1"})
+        # As a real starter: nothing reaches a run that has ended (it unsubscribed). A rank
+        # whose last worker's end came as "worker_ended" may end the run before its
+        # "exited" is posted.
+        listener = self.helper.listener
+        if listener is not None:
+            listener({**message, "run": "r1"})
 
     def end(self, statuses: dict[int, int]) -> RunState:
         """Elastic's end: every rank's final exit, after its last bytes."""
