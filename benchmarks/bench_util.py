@@ -10,8 +10,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def median(values: list[float]) -> float | None:
@@ -102,3 +103,30 @@ def sweep_descendants(grace: float) -> list[str]:
             process.kill()
     psutil.wait_procs(running, timeout=5.0)
     return killed
+
+
+MAX_FAILURES = 3  # a driver gives up on a way after this many failed launches
+
+
+def launch_folders(scratch: str, count: int) -> Iterator[str]:
+    """One fresh output folder per launch, under ``scratch``."""
+    return (os.path.join(scratch, f"launch{index}") for index in range(count))
+
+
+def later_samples(
+    measure: Callable[[str], dict[str, Any]],
+    folders: Iterator[str],
+    repeats: int,
+    failed_before: int = 0,
+) -> list[dict[str, Any]]:
+    """Up to ``repeats`` launches measured by ``measure(folder)``, one folder each; stops
+    once ``MAX_FAILURES`` samples (those with an "error", ``failed_before`` included) failed."""
+    samples: list[dict[str, Any]] = []
+    failures = failed_before
+    for _ in range(repeats):
+        if failures >= MAX_FAILURES:
+            break
+        sample = measure(next(folders))
+        failures += "error" in sample
+        samples.append(sample)
+    return samples

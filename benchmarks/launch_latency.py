@@ -73,6 +73,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -85,7 +86,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_util import median, progress, run_command, seconds, tail, verdict
+from bench_util import (
+    later_samples,
+    launch_folders,
+    median,
+    progress,
+    run_command,
+    seconds,
+    tail,
+    verdict,
+)
 from first_launch import (
     PREWARM_DELAY_S,
     SCENARIOS,
@@ -104,7 +114,6 @@ WORLD_SIZE = 2
 MARKER = "@@launch_latency@@ "
 LAUNCH_TIMEOUT_S = 60.0
 IMPORT_TIMEOUT_S = 120.0
-MAX_FAILURES = 3  # a driver gives up on its way after this many failed launches
 
 TARGET_LATER_READY_S = 0.03
 TARGET_LATER_WHOLE_S = 0.06
@@ -302,7 +311,7 @@ def run_driver(
             launch = make_launcher(way, scratch)
         except ImportError as error:
             return {**result, "skipped": f"cannot import: {error}"}
-        paths = (os.path.join(scratch, f"launch{index}") for index in range(repeats + 1))
+        paths = launch_folders(scratch, repeats + 1)
         result["first"] = []
         if since is not None and scenario == "prewarmed":
             # The user's pause between the import and the launch: the scenario, not a wait.
@@ -311,13 +320,8 @@ def run_driver(
             origin = since if scenario == "at import" else None
             result["first"].append(measure_once(launch, next(paths), origin))
         failures = sum("error" in sample for sample in result["first"])
-        result["later"] = []
-        for _ in range(repeats):
-            if failures >= MAX_FAILURES:
-                break
-            sample = measure_once(launch, next(paths))
-            failures += "error" in sample
-            result["later"].append(sample)
+        measure = functools.partial(measure_once, launch)
+        result["later"] = later_samples(measure, paths, repeats, failures)
     return result
 
 

@@ -77,6 +77,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -89,7 +90,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench_util import progress, run_command, tail
+from bench_util import later_samples, launch_folders, progress, run_command, tail
 from multi_host_report import (
     Sample,
     breakdown,
@@ -106,7 +107,6 @@ PER_HOST = 2
 WORLD_SIZE = 2 * PER_HOST
 LAUNCH_TIMEOUT_S = 120.0
 PROBE_TIMEOUT_S = 120.0
-MAX_FAILURES = 3  # a driver gives up on its way after this many failed launches
 
 # --------------------------------------------------------------------------- workers
 
@@ -243,16 +243,11 @@ def run_driver(way: str, repeats: int, ssh: dict[str, Any]) -> dict[str, Any]:
                 hosts=ssh["hosts"], ssh_options=ssh["options"], remote_python=ssh["python"]
             )
             clock = PhaseClock()
-        paths = (os.path.join(scratch, f"launch{index}") for index in range(repeats + 1))
+        paths = launch_folders(scratch, repeats + 1)
         report["first"] = [measure_nbaccel(settings, next(paths), clock)]
         failures = sum("error" in sample for sample in report["first"])
-        report["later"] = []
-        for _ in range(repeats):
-            if failures >= MAX_FAILURES:
-                break
-            sample = measure_nbaccel(settings, next(paths), clock)
-            failures += "error" in sample
-            report["later"].append(sample)
+        measure = functools.partial(measure_nbaccel, settings, clock=clock)
+        report["later"] = later_samples(measure, paths, repeats, failures)
     return report
 
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -86,6 +87,8 @@ from typing import Any
 
 from bench_util import (
     become_subreaper,
+    later_samples,
+    launch_folders,
     median,
     progress,
     run_command,
@@ -119,7 +122,6 @@ SPIN_START_TIMEOUT_S = 120.0  # until a spinning launch has reached the device
 INTERRUPT_CAP_S = 30.0
 SPIN_LIMIT_S = 90.0  # a spinning function ends by itself after this
 LEFTOVER_GRACE_S = 2.0  # processes still alive this long after their driver are leftovers
-MAX_FAILURES = 3
 TARGET_OVER_PEER = 1.1
 TARGET_INTERRUPT_S = 3.0
 
@@ -229,16 +231,11 @@ def run_driver(way: str, later: int) -> dict[str, Any]:
             def launch(out_dir: str) -> Any:
                 return torch_xla.launch(launch_fn, args=(out_dir,), start_method=start_method)
 
-        paths = (os.path.join(scratch, f"launch{index}") for index in range(later + 1))
+        paths = launch_folders(scratch, later + 1)
         result["first"] = [measure_once(launch, next(paths), devices)]
         failures = sum("error" in sample for sample in result["first"])
-        result["later"] = []
-        for _ in range(later):
-            if failures >= MAX_FAILURES:
-                break
-            sample = measure_once(launch, next(paths), devices)
-            failures += "error" in sample
-            result["later"].append(sample)
+        measure = functools.partial(measure_once, launch, devices=devices)
+        result["later"] = later_samples(measure, paths, later, failures)
     return result
 
 
