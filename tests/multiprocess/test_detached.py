@@ -46,7 +46,10 @@ def start_kernel_a(tmp_path: Path, gate: Path, runs: str, **options: object) -> 
     """A launching process that prints its run's id once rank 0 logged step 2, then waits."""
     code = TRAIN + textwrap.dedent(
         f"""
-        import sys, threading
+        import signal, sys, threading
+        # A shell's background job starts with SIGINT ignored (Python keeps that): the
+        # handler a terminal or a Jupyter kernel has, whatever started the tests.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         seen = threading.Event()
         run = nbaccel.launch(train, args=({str(gate)!r}, 3, 3), num_processes=2,
                              detach=True, runs_dir={runs!r}, dashboard=False, **{options!r})

@@ -164,7 +164,10 @@ print("RESULT " + json.dumps({{"values": values, "logs": [run.logs(0), run.logs(
 
 
 INTERRUPTED = """
-import os, sys, nbaccel
+import os, signal, sys, nbaccel
+# A shell's background job starts with SIGINT ignored (Python keeps that): give this
+# process the handler a terminal or a Jupyter kernel has, whatever started the tests.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 PIDS = sys.argv[1]
 
 def spin():
