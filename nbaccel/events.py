@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-_HEADER = struct.Struct("<I")
+# A frame: this length prefix, then the pickle (encode_frame). Readers that must split a
+# stream without unpickling it (the several-machines agent) use it too.
+FRAME_HEADER = struct.Struct("<I")
 
 
 class RunState(enum.Enum):
@@ -243,7 +245,7 @@ def encode_frame(message: object) -> bytes:
     [Metric(rank=0, step=1, values={'loss': 0.5}, time=0.0)]
     """
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
+    return FRAME_HEADER.pack(len(body)) + body
 
 
 class FrameDecoder:
@@ -255,12 +257,12 @@ class FrameDecoder:
     def feed(self, data: bytes) -> list[Any]:
         self._buffer += data
         messages = []
-        while len(self._buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buffer)
-            end = _HEADER.size + length
+        while len(self._buffer) >= FRAME_HEADER.size:
+            (length,) = FRAME_HEADER.unpack_from(self._buffer)
+            end = FRAME_HEADER.size + length
             if len(self._buffer) < end:
                 break
-            messages.append(pickle.loads(bytes(self._buffer[_HEADER.size : end])))
+            messages.append(pickle.loads(bytes(self._buffer[FRAME_HEADER.size : end])))
             del self._buffer[:end]
         return messages
 

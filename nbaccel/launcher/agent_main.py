@@ -35,17 +35,16 @@ import pickle
 import secrets
 import signal
 import socket
-import struct
 import sys
 import threading
 import traceback
 from typing import Any, BinaryIO
 
+from nbaccel.events import FRAME_HEADER as HEADER
 from nbaccel.events import FrameDecoder, encode_frame
 from nbaccel.launcher import control
 
 READ_SIZE = 1 << 16
-HEADER = struct.Struct("<I")  # events.encode_frame's length prefix
 MAX_HELLO = 1 << 12
 DRAIN_TIMEOUT = 5.0  # after elastic returns, how long a worker's last bytes may take
 

@@ -112,3 +112,20 @@ def _cell_sources() -> dict[str, list[str]]:
             break
         sources[filename] = lines
     return sources
+
+
+def read_payload(fd: int) -> bytes:
+    """The whole payload file behind ``fd`` (the launch hands it over as a file), read
+    with ``pread`` so the file's offset stays where it is for the next reader.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile() as file:
+    ...     _ = file.write(b"payload"); file.flush()
+    ...     read_payload(file.fileno())
+    b'payload'
+    """
+    size, chunks, offset = os.fstat(fd).st_size, [], 0
+    while offset < size and (chunk := os.pread(fd, size - offset, offset)):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.launcher.payload import read_payload
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.starter import StarterListener
 
@@ -115,7 +116,7 @@ class RemoteHosts:
         rank = int(request["rank"])
         with self._lock:
             if not self._payload:
-                self._payload = _read_all(fds[0])
+                self._payload = read_payload(fds[0])
             self._pipes[rank] = (os.dup(fds[1]), os.dup(fds[2]))
             complete = len(self._pipes) == self.world_size
         if complete:
@@ -246,14 +247,6 @@ def _read(stream: IO[bytes]) -> bytes:
         return os.read(stream.fileno(), 1 << 16)
     except OSError:
         return b""
-
-
-def _read_all(fd: int) -> bytes:
-    size, chunks, offset = os.fstat(fd).st_size, [], 0
-    while offset < size and (chunk := os.pread(fd, size - offset, offset)):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
 
 
 def _write_all(fd: int, data: bytes) -> None:

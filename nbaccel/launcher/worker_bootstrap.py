@@ -28,6 +28,7 @@ from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter, ResultReady, WorkerFailed
 from nbaccel.launcher import pickling, script
+from nbaccel.launcher.payload import read_payload
 from nbaccel.xla_plan import XlaPlan
 
 
@@ -60,7 +61,7 @@ def run_payload(
     ``explain`` may give a failure a note with the fix (kept: the exception keeps its type).
     """
     try:
-        payload = pickle.loads(_read_all(payload_fd))
+        payload = pickle.loads(read_payload(payload_fd))
         os.close(payload_fd)
         sys.path[:] = payload["sys_path"]
         for filename, lines in payload["sources"].items():
@@ -147,15 +148,3 @@ def classify_failure(error: BaseException) -> str:
     if any(s in text for s in _PEER_FAILURES):
         return "peer"
     return "error"
-
-
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    chunks, offset = [], 0
-    while offset < size:
-        chunk = os.pread(fd, size - offset, offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
