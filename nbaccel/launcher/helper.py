@@ -143,6 +143,12 @@ class HelperProcess:
                     "code. Check that torch is installed for "
                     f"{sys.executable}:\n{message['error']}"
                 )
+            elif op == "crashed":
+                self._failure = (
+                    "the nbaccel helper process failed, which is a bug in nbaccel (please "
+                    "report it with this traceback); the next launch starts a new helper:\n"
+                    f"{message['error']}"
+                )
             else:
                 with self._listeners_lock:
                     listener = self._listeners.get(message.get("run", ""))

@@ -398,6 +398,10 @@ def main(argv: list[str]) -> int:
         return 0  # the parent left while we imported (a kernel that exited before launching)
     try:
         helper.serve()
+    except BaseException:  # noqa: BLE001 - a bug here: the parent's HelperError shows it
+        # Our stderr is /dev/null (a kernel has no terminal): the socket is the only way out.
+        helper.reply({"op": "crashed", "error": traceback.format_exc()})
+        return 1
     finally:
         helper.shutdown()
     return 0

@@ -250,7 +250,9 @@ class RunPump:
             self._on_restarted(int(message["attempt"]))
         elif op in ("spawn_failed", "helper_died"):
             rank = message.get("rank", 0)
-            self._fail(Failure(rank, "error", 0.0, error=HelperError(message["error"])))
+            # Its time is now: a rank's own error reported before it stays the culprit.
+            failure = Failure(rank, "error", time.time(), error=HelperError(message["error"]))
+            self._fail(failure)
             everyone = op == "helper_died" or self._xla is not None
             for r in self._ranks:
                 if r.exitcode is None and (everyone or r.rank == message["rank"]):

@@ -315,6 +315,30 @@ def test_helper_death_fails_the_run_and_the_next_launch_recovers(runs_dir: str) 
     )
 
 
+def test_a_crash_inside_the_helper_reaches_the_cell_with_its_traceback(runs_dir: str) -> None:
+    from nbaccel.launcher.helper import shared_helper
+
+    def wait_forever() -> None:
+        import time
+
+        while True:
+            time.sleep(0.05)
+
+    run = nbaccel.launch(wait_forever, num_processes=2, runs_dir=runs_dir)
+    # A request without its run id stands in for a bug: a KeyError in the helper's loop.
+    shared_helper()._send({"op": "signal", "signal": int(signal.SIGTERM)})
+    assert run.wait(timeout=30) is nbaccel.RunState.FAILED
+    assert isinstance(run.error, nbaccel.HelperError)
+    message = str(run.error)
+    assert "bug in nbaccel" in message and "KeyError: 'run'" in message, message
+    assert (
+        nbaccel.notebook_launcher(
+            all_reduce_rank_sum, args=(0,), num_processes=2, runs_dir=runs_dir
+        )
+        == 1.0
+    )
+
+
 def what_the_worker_got() -> tuple:
     import torch.distributed as dist
 

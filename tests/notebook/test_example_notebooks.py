@@ -403,7 +403,7 @@ def _check_quickstart(widgets: Widgets, cells: Any, folder: Path) -> None:
 
     failure = cells.cell(nb, "failure")
     [error] = cells.errors(failure)
-    assert error.ename == "RuntimeError"
+    assert error.ename == "RuntimeError", error.evalue
     assert error.evalue.startswith("[rank 1] "), error.evalue
     assert "shapes cannot be multiplied" in error.evalue
     text = cells.strip_ansi("\n".join(error.traceback))
