@@ -71,13 +71,32 @@ xla: $(XLA_STAMP)
 # torch at the newest build on its disk): catches a dependency that moved since the lock
 # was made. Re-resolves on every call.
 # .ci/run builds this venv in the background while `make test` runs, then calls
-# `make test-newest NEWEST_READY=1`. Of tests/multihost it runs the launch over ssh and the
-# preflight (torch elastic's TCP rendezvous); the restarts on hosts= and `nbaccel launch
-# --hosts` take the same paths, and tests/multiprocess's restart tests run here too.
+# `make test-newest NEWEST_READY=1`. It runs the suites where each dependency meets nbaccel,
+# not every suite again (CI must stay well under 30 minutes): every unit test; the launch,
+# pickling (cloudpickle), the Accelerator and its parity with Accelerate, FSDP2 and DCP
+# checkpoints (safetensors), torch elastic's restarts, comm hooks and failures; kernels and
+# widgets (ipykernel, ipywidgets, nbclient) with notebooks 01, 02 and 05 (Accelerate's code
+# unchanged); the launch over ssh and the preflight (torch elastic's TCP rendezvous).
+# The rest (the CLI, detached runs, the docs' examples, the other notebooks) exercise
+# nbaccel's own code on the same calls into those libraries, and run against the lock.
+NEWEST_TESTS := tests/unit \
+	tests/multiprocess/test_launch.py tests/multiprocess/test_payload_pickling.py \
+	tests/multiprocess/test_accelerator.py tests/multiprocess/test_accelerate_parity.py \
+	tests/multiprocess/test_sharding.py tests/multiprocess/test_restarts.py \
+	tests/multiprocess/test_step_breakdown.py tests/multiprocess/test_strategies.py \
+	tests/multiprocess/test_options_wiring.py tests/multiprocess/test_failures.py \
+	'tests/multiprocess/test_accel_checkpoint.py::test_resume_equals_the_uninterrupted_run[ddp]' \
+	'tests/multiprocess/test_accel_checkpoint.py::test_resume_equals_the_uninterrupted_run[fsdp-sharded]' \
+	tests/notebook/test_notebook_launch.py tests/notebook/test_kernel_interrupt.py \
+	tests/notebook/test_per_node_kernels.py \
+	'tests/notebook/test_example_notebooks.py::test_example_notebook_runs[01_quickstart_cpu]' \
+	'tests/notebook/test_example_notebooks.py::test_example_notebook_runs[02_config_panel]' \
+	'tests/notebook/test_example_notebooks.py::test_example_notebook_runs[05_accelerate_code_unchanged]' \
+	tests/multihost/test_preflight.py tests/multihost/test_hosts_launch.py
+
 test-newest: $(if $(NEWEST_READY),,newest-venv)
 	@grep -iE '^(torch|cloudpickle|ipykernel|ipywidgets|accelerate|safetensors)==' $(NEWEST_VENV)/resolved.txt
-	$(NEWEST_PY) -m pytest tests/unit tests/multiprocess tests/notebook \
-		tests/multihost/test_preflight.py tests/multihost/test_hosts_launch.py
+	$(NEWEST_PY) -m pytest $(NEWEST_TESTS)
 
 newest-venv:
 	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)

@@ -189,6 +189,17 @@ class ResultReady:
 
 
 @dataclass(frozen=True)
+class Rank0Value:
+    """Rank 0's value, pickled, read from the job's store by this machine's first worker
+    (worker -> parent only). Sent where rank 0 runs on another machine: a job whose
+    machines each launch from their own cell (``num_nodes=``, ``node_rank=``), each of
+    which returns rank 0's value as Accelerate users expect of a launch."""
+
+    rank: int
+    value: bytes
+
+
+@dataclass(frozen=True)
 class WorkerFailed:
     """A rank's function raised or called ``sys.exit`` (worker -> parent only): what the
     parent needs to raise it (``launcher.failures.build_error``).
@@ -217,6 +228,7 @@ WorkerMessage = (
     | DeviceMemory
     | StepBreakdown
     | ResultReady
+    | Rank0Value
     | WorkerFailed
 )
 

@@ -38,10 +38,9 @@ _ELASTIC_ONLY = (
 # passes through untouched and the schema checks it (an int >= 0).
 ACCELERATE_KEYWORDS = (*RENAMED, *_ELASTIC_ONLY)
 _FOR_SEVERAL_MACHINES = (
-    "One-machine launches from Python rendezvous over a private TCP store on 127.0.0.1; "
-    "for several machines run `nbaccel launch --num_machines N --machine_rank R "
-    "--main_process_ip HOST --num_processes TOTAL script.py` on each (TOTAL counts every "
-    "machine's processes; --nproc_per_node P gives the count per machine instead)."
+    "For several machines run the same cell on each with num_nodes=N, node_rank=R, "
+    "master_addr=<machine 0>, use_port=<port> (Accelerate's form), or drive them all from "
+    "one cell with hosts=[...] (docs/multi-machine.md)."
 )
 
 
@@ -68,9 +67,61 @@ def from_accelerate_keywords(given: Mapping[str, Any]) -> dict[str, Any]:
                     field=field,
                 )
             mapped[field] = _port(value) if key == "use_port" else value
+        elif key == "rdzv_endpoint":
+            mapped.update(_endpoint(value, given) if value else {})
         elif key in _ELASTIC_ONLY:
             _check_elastic_keyword(key, value)
+    if given.get("rdzv_backend") == "c10d" and _positive_int(given.get("num_nodes")) > 1:
+        raise ConfigError(
+            "rdzv_backend='c10d' with num_nodes > 1 lets torch elastic order the machines "
+            "itself (by host name and process id), so a cell could not know which ranks it "
+            "runs before they start. nbaccel joins the machines of a job through torch's "
+            "static rendezvous, where node_rank places each machine (Accelerate's default "
+            "too): remove rdzv_backend, or use hosts=[...] to drive every machine from one "
+            "cell.",
+            field="rdzv_backend",
+        )
     return mapped
+
+
+def processes_in_total(num_processes: int, given: Mapping[str, Any]) -> int:
+    """``num_processes`` as the schema counts it: over every machine. Accelerate's
+    ``notebook_launcher`` counts it per machine when ``num_nodes=`` is given (its
+    ``nproc_per_node``), so a cell written for it starts the same job here.
+
+    >>> processes_in_total(2, {"num_nodes": 3})
+    6
+    >>> processes_in_total(4, {"num_machines": 2})  # nbaccel's own field: already a total
+    4
+    """
+    return num_processes * max(1, _positive_int(given.get("num_nodes")))
+
+
+def _positive_int(value: Any) -> int:
+    """``value`` if it is an int (the schema checks anything else, naming the field)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _endpoint(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """Accelerate's ``rdzv_endpoint="host:port"``: machine 0's address, as its
+    ``master_addr``/``use_port`` give it.
+
+    >>> _endpoint("10.0.0.1:29400", {})
+    {'main_process_ip': '10.0.0.1', 'main_process_port': 29400}
+    """
+    host, _, port = str(value).rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"rdzv_endpoint={value!r} is not 'host:port' (machine 0's address and port).",
+            field="rdzv_endpoint",
+        )
+    for key in ("master_addr", "use_port", "main_process_ip", "main_process_port"):
+        if key in given:
+            raise ConfigError(
+                f"Both rdzv_endpoint= and {key}= were given; they name the same address. Keep one.",
+                field="rdzv_endpoint",
+            )
+    return {"main_process_ip": host, "main_process_port": int(port)}
 
 
 def _port(value: Any) -> Any:
@@ -84,9 +135,9 @@ def _check_elastic_keyword(key: str, value: Any) -> None:
     if key == "rdzv_backend":
         if value not in _RENDEZVOUS_BACKENDS:
             raise ConfigError(
-                f"rdzv_backend={value!r} is not available: nbaccel's workers always meet "
-                f"through torch's c10d TCP store (rdzv_backend 'static' or 'c10d' mean the "
-                f"same on one machine). Remove the keyword, or use 'c10d'.",
+                f"rdzv_backend={value!r} is not available: nbaccel's workers meet through "
+                f"torch's c10d TCP store, and the machines of a job in torch's static "
+                f"rendezvous. Remove the keyword, or use 'static'.",
                 field=key,
             )
     elif key == "monitor_interval":
@@ -100,7 +151,7 @@ def _check_elastic_keyword(key: str, value: Any) -> None:
             raise ConfigError(
                 f"monitor_interval must be a finite number > 0, got {value!r}.", field=key
             )
-    elif key in ("rdzv_endpoint", "rdzv_conf"):
+    elif key == "rdzv_conf":
         if value not in ("", None, {}):
             raise ConfigError(
                 f"{key}={value!r} is not available. {_FOR_SEVERAL_MACHINES}", field=key
@@ -108,9 +159,9 @@ def _check_elastic_keyword(key: str, value: Any) -> None:
     elif key == "rdzv_id":
         if value not in ("none", None):
             raise ConfigError(
-                f"rdzv_id={value!r} names a job for a shared rendezvous, which one-machine "
-                f"launches do not use (each run has its own id: run.run_id). "
-                f"{_FOR_SEVERAL_MACHINES}",
+                f"rdzv_id={value!r}: nbaccel names each run itself (run.run_id), and the "
+                f"rendezvous of a job after its port (main_process_port), the same on every "
+                f"machine. Remove the keyword. {_FOR_SEVERAL_MACHINES}",
                 field=key,
             )
     elif value is not None:  # log_line_prefix_template

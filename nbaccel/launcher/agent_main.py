@@ -286,8 +286,11 @@ def main() -> int:
         if not links.finish(known, stopped):
             threading.Event().wait()  # a kill is ending this host: it leaves, not us
         return 0
-    except BaseException:  # noqa: BLE001 - the kernel raises it, naming this host
-        channel.send({"op": "failed", "error": traceback.format_exc()})
+    except BaseException as error:  # noqa: BLE001 - the kernel raises it, naming this host
+        from nbaccel.launcher.agent_run import JobNotFormed
+
+        said = str(error) if isinstance(error, JobNotFormed) else traceback.format_exc()
+        channel.send({"op": "failed", "error": said})
         if _links is not None:
             _links.kill_all()
         return 1

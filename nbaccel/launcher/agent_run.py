@@ -27,6 +27,23 @@ from pathlib import Path
 from typing import Any
 
 
+class JobNotFormed(Exception):
+    """The machines of a job launched from each machine's cell did not all meet."""
+
+
+def _not_formed(start: dict[str, Any], error: BaseException) -> str:
+    where = f"{start['endpoint_host']}:{start['endpoint_port']}"
+    role = "served by this machine" if start["node_rank"] == 0 else "of machine 0"
+    return (
+        f"the machines of the job did not all meet within {start['join_timeout']} s at "
+        f"{where} (the rendezvous {role}; this is node_rank {start['node_rank']} of "
+        f"{start['nnodes']}): {str(error).strip()} Run the same cell on every machine with "
+        "the same num_nodes, master_addr (machine 0's address) and use_port, each with its "
+        "own node_rank; check that the other machines reach machine 0 on that port "
+        "(firewall), or raise rdzv_timeout."
+    )
+
+
 def versions() -> dict[str, str]:
     """What the kernel checks against its own before anything starts."""
     import torch
@@ -80,6 +97,7 @@ def run_host(
     ``start["max_restarts"]``: how often elastic restarts every host's workers after one
     fails (elastic's own restart: stop all, rendezvous again, start all). ``stop_fd``: the
     read end of the agent's stop pipe, which workers check before running anything."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -104,27 +122,41 @@ def run_host(
     else:
         endpoint = f"{start['endpoint_host']}:{start['endpoint_port']}"
         rdzv_configs["is_host"] = start["node_rank"] == 0
+    backend = start.get("rendezvous", "c10d")
+    if backend == "static":
+        # A machine of a job whose machines each launch from their own kernel: torch's
+        # static rendezvous, where node_rank (not the order of arrival) places the machine.
+        rdzv_configs = {"rank": start["node_rank"], "timeout": start["join_timeout"]}
     config = LaunchConfig(
         min_nodes=start["nnodes"],
         max_nodes=start["nnodes"],
         nproc_per_node=start["nproc"],
-        run_id=start["run"],
-        rdzv_backend="c10d",
+        run_id=start.get("job", start["run"]),  # the same on every machine of the job
+        rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=int(start.get("max_restarts", 0)),
         monitor_interval=0.1,
         start_method="fork",
-        local_addr=start["local_addr"],
+        local_addr=start["local_addr"],  # None: this host's name, as torchrun
         logs_specs=DefaultLogsSpecs(log_dir=elastic_dir, redirects=Std.NONE, tee=Std.NONE),
     )
     try:
         values = elastic_launch(config, run_elastic_worker)(
-            worker_address, payload_fd, start["run"], start["run_dir"], stop_fd
+            worker_address,
+            payload_fd,
+            start["run"],
+            start["run_dir"],
+            stop_fd,
+            bool(start.get("share_rank0", False)),
         )
         return True, {int(rank): 0 for rank in values}
     except ChildFailedError as error:
         return False, {int(rank): failure.exitcode for rank, failure in error.failures.items()}
+    except DistError as error:  # the static rendezvous: machine 0's store, or reaching it
+        if backend != "static":
+            raise
+        raise JobNotFormed(_not_formed(start, error)) from error
     finally:
         os.close(payload_fd)
         shutil.rmtree(elastic_dir, ignore_errors=True)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import EventWriter, WorkerStarted, encode_frame
+from nbaccel.events import EventWriter, Rank0Value, WorkerStarted, encode_frame
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.worker_bootstrap import capture_output, run_payload
 
@@ -32,13 +32,14 @@ STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: what a worker the stop reached would e
 
 
 def run_elastic_worker(
-    address: str, payload_fd: int, run_id: str, run_dir: str, stop_fd: int
+    address: str, payload_fd: int, run_id: str, run_dir: str, stop_fd: int, share_rank0: bool
 ) -> None:
     """The entry point torch elastic calls in each forked worker (a module-level function).
 
     ``stop_fd``: the read end of the agent's stop pipe. Once the kernel has ended the run,
     a worker that elastic still restarts leaves at once instead of running the function
-    again (elastic restarts a group whose workers a stop interrupted)."""
+    again (elastic restarts a group whose workers a stop interrupted). ``share_rank0``: each
+    machine has its own kernel (``num_nodes=``), and each returns rank 0's value."""
     os.setsid()  # a stop from the agent reaches this worker's children too (DataLoader)
     set_parent_death_signal(signal.SIGKILL)  # the agent gone: so are we
     if select.select([stop_fd], [], [], 0)[0]:
@@ -63,9 +64,19 @@ def run_elastic_worker(
         run_id=run_id,
         run_dir=run_dir,
     )
-    code = run_payload(
-        context, events, os.dup(payload_fd), start=_start_distributed, finish=_finish
-    )
+    timeout = timedelta(seconds=Config().collective_timeout)  # the launch's, once known
+
+    def start(config: Config) -> None:
+        nonlocal timeout
+        timeout = timedelta(seconds=config.collective_timeout)
+        _start_distributed(config)
+
+    def finish(value: bytes) -> None:
+        if share_rank0:
+            _share_rank0_value(value, events, timeout)
+        _finish()
+
+    code = run_payload(context, events, os.dup(payload_fd), start=start, finish=finish)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     flush_c_stdio()
@@ -133,6 +144,24 @@ def _listen(address: str, port: int) -> int:
     server.bind(where)
     server.listen(128)
     return server.detach()
+
+
+def _share_rank0_value(value: bytes, events: EventWriter, timeout: timedelta) -> None:
+    """Rank 0 leaves its pickled value in the job's store (elastic's, which every machine
+    reaches); the first worker of every other machine reads it for its kernel."""
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    on_machine_0 = int(os.environ["GROUP_RANK"]) == 0
+    if rank != 0 and (local_rank != 0 or on_machine_0):
+        return
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"nbaccel/attempt-{attempt}/rank0-value"
+    if rank == 0:
+        store.set(key, value)  # type: ignore[arg-type]  # bytes are taken as they are
+    else:  # waits for rank 0 to return, at most the collective timeout
+        events.send(Rank0Value(rank, store.get(key)))
 
 
 def _finish() -> None:

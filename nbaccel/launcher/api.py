@@ -20,7 +20,7 @@ from typing import Any
 
 from nbaccel.config.accelerate_compat import accelerate_env
 from nbaccel.config.deepspeed import deepspeed_config
-from nbaccel.config.launcher_keywords import from_accelerate_keywords
+from nbaccel.config.launcher_keywords import from_accelerate_keywords, processes_in_total
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
@@ -29,7 +29,12 @@ from nbaccel.errors import ConfigError
 from nbaccel.launcher import checks
 from nbaccel.launcher.detached import start_detached
 from nbaccel.launcher.helper import shared_helper
-from nbaccel.launcher.hosts_launch import place_here, place_on_hosts, start_on_hosts
+from nbaccel.launcher.hosts_launch import (
+    place_here,
+    place_machine_of_job,
+    place_on_hosts,
+    start_on_hosts,
+)
 from nbaccel.launcher.payload import build_payload
 from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.run import Run
@@ -74,8 +79,8 @@ def plan(
     # Everything that can be wrong is found before any process, folder, pipe or port exists.
     checks.check_call(function, args, kwargs)
     explicit = from_accelerate_keywords(overrides)  # use_port=, num_nodes=, ... as Accelerate's
-    if num_processes is not None:
-        explicit["num_processes"] = num_processes
+    if num_processes is not None:  # per machine where num_nodes= says so, as Accelerate's
+        explicit["num_processes"] = processes_in_total(num_processes, overrides)
     if isinstance(explicit.get("hosts"), (str, list)):  # hosts="hostfile" or a list
         hosts = explicit["hosts"]
         explicit["hosts"] = (hosts,) if isinstance(hosts, str) else tuple(hosts)
@@ -84,6 +89,10 @@ def plan(
     if resolved.config.hosts:  # several machines from here: every host checked over SSH
         placement = place_on_hosts(resolved.config, os.environ)
         world_size = sum(placement.shares)
+    elif resolved.config.num_machines > 1:  # this machine's share: each machine runs the cell
+        gpus = 0 if resolved.config.use_cpu else visible_gpu_count(os.environ)
+        placement = place_machine_of_job(resolved.config, gpus, resolved.sources["num_machines"])
+        world_size = resolved.config.total_processes(gpus)
     else:
         checks.check_one_machine(resolved)
         xla = plan_xla_launch(resolved.config, os.environ)

@@ -69,21 +69,8 @@ def check_signature(
 
 
 def check_one_machine(resolved: Resolved) -> None:
-    """``launch``/``notebook_launcher`` run on this machine: multi-machine fields are refused
-    (never ignored) until the notebook can drive several machines."""
+    """``launch``/``notebook_launcher`` on this machine alone: every socket on loopback."""
     config, sources = resolved.config, resolved.sources
-    if config.num_machines > 1 or config.machine_rank > 0:
-        name = "num_machines" if config.num_machines > 1 else "machine_rank"
-        raise ConfigError(
-            f"{name}={getattr(config, name)} (from {sources[name]}): launch() and "
-            "notebook_launcher() start processes on this machine, or on every machine of "
-            "hosts=[...] over SSH (docs/multi-machine.md). To train across machines, pass "
-            "hosts=, or run `nbaccel launch --num_machines N --machine_rank R "
-            "--main_process_ip HOST --num_processes TOTAL script.py` on each machine (TOTAL "
-            "counts every machine's processes, or give --nproc_per_node P per machine), or "
-            "set num_machines=1.",
-            field=name,
-        )
     if not _is_loopback(config.main_process_ip):
         raise ConfigError(
             f"main_process_ip={config.main_process_ip!r} (from "

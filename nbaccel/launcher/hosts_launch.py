@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -22,8 +23,9 @@ from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.devices import loopback_interface, usable_cpu_cores
 from nbaccel.errors import ConfigError
+from nbaccel.launcher.elastic import DEFAULT_MULTINODE_PORT
 from nbaccel.launcher.hosts import processes_per_host, read_hosts
-from nbaccel.launcher.planned import Display, HostPlacement, Planned
+from nbaccel.launcher.planned import Display, HostPlacement, JobMachine, Planned
 from nbaccel.launcher.preflight import local_versions, preflight
 from nbaccel.launcher.remote_hosts import RemoteHosts
 from nbaccel.launcher.remote_shell import RemoteShell
@@ -39,12 +41,15 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
     assert planned.placement is not None
     config, placement = planned.resolved.config, planned.placement
     run_dir = make_run_dir(config.runs_dir, planned.run_id)
-    shell, local = placement.shell, placement.shell.kind == "local"
+    shell, local, job = placement.shell, placement.shell.kind == "local", placement.job
     starter = RemoteHosts(
-        placement.hosts, placement.shares, shell.argv, shell.python, run_dir, local=local
+        placement.hosts, placement.shares, shell.argv, shell.python, run_dir, local=local, job=job
     )
     try:
-        env = local_worker_env(config, planned) if local else remote_worker_env(config)
+        if local and job is None:
+            env = local_worker_env(config, planned)
+        else:  # a machine of a job: its workers reach the other machines, not only loopback
+            env = remote_worker_env(config)
         starter.configure(
             {
                 "run": planned.run_id,
@@ -56,12 +61,13 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
             }
         )
         write_config(run_dir, planned.resolved)
-        run = Run(planned.run_id, run_dir, config, planned.world_size)
+        ranks = placement.ranks()
+        run = Run(planned.run_id, run_dir, config, planned.world_size, ranks=ranks)
         show(run, planned.gpus)
         with tempfile.TemporaryFile() as payload_file:
             payload_file.write(planned.payload)
             payload_file.flush()
-            requests = [{"context": _context(planned, r)} for r in range(planned.world_size)]
+            requests = [{"context": _context(planned, r)} for r in ranks]
             run.start(starter, requests, payload_file.fileno(), None)
     except BaseException:
         starter.close()
@@ -101,20 +107,46 @@ def local_worker_env(config: Config, planned: Planned) -> dict[str, str]:
 def place_here(config: Config, world_size: int, *, xla: bool) -> HostPlacement:
     """A one-machine launch with ``max_restarts``: its ``world_size`` workers under one
     nbaccel agent on this machine, whose torch elastic restarts them after a failure."""
+    why = "restarts the workers through torch elastic, which cannot restart them"
+    _check_elastic_fits(config, xla, f"max_restarts={config.max_restarts}", why)
+    return HostPlacement(("127.0.0.1",), (world_size,), RemoteShell("local"))
+
+
+def place_machine_of_job(config: Config, gpus: int, source: str) -> HostPlacement:
+    """This machine's share of a job whose every machine runs the same cell (Accelerate's
+    ``num_nodes=N, node_rank=R``; ``num_machines``/``machine_rank``): one agent here, whose
+    torch elastic meets the other machines' in the static rendezvous at main_process_ip:
+    main_process_port (machine 0 serves it), where machine_rank decides the ranks.
+    ``source``: where num_machines came from, for the errors."""
+    why = "joins the machines of a job through torch elastic, which would not start them"
+    asked = f"num_machines={config.num_machines} (from {source})"
+    _check_elastic_fits(config, False, asked, why)
+    per_machine = config.processes_per_machine(gpus)
+    if gpus and per_machine > gpus:
+        raise ConfigError(
+            f"num_processes={config.num_processes} over num_machines={config.num_machines} "
+            f"is {per_machine} processes on this machine, but only {gpus} GPU(s) are visible. "
+            f"Use num_processes<={gpus * config.num_machines}, or use_cpu=True.",
+            field="num_processes",
+        )
+    port = config.main_process_port or DEFAULT_MULTINODE_PORT
+    job = JobMachine(config.num_machines, config.machine_rank, config.main_process_ip, port)
+    return HostPlacement((socket.gethostname(),), (per_machine,), RemoteShell("local"), job=job)
+
+
+def _check_elastic_fits(config: Config, xla: bool, asked: str, why: str) -> None:
     clash = (
         ("detach", config.detach, "a detached run's supervisor starts its workers itself"),
         ("strategy", xla, "torch_xla starts its workers itself"),
     )
-    for name, present, why in clash:
+    for name, present, where in clash:
         if present:
             raise ConfigError(
-                f"max_restarts={config.max_restarts} restarts the workers through torch "
-                f"elastic, but {name}={getattr(config, name)!r} asks for a launch where "
-                f"{why}, which cannot restart them. Use max_restarts=0 (resume with "
-                "Accelerator.load_state in a new launch), or drop that setting.",
-                field="max_restarts",
+                f"{asked} {why}, but {name}={getattr(config, name)!r} asks for a launch "
+                f"where {where}. Drop one of the two settings (a run resumes with "
+                "Accelerator.load_state in a new launch).",
+                field=asked.split("=")[0],
             )
-    return HostPlacement(("127.0.0.1",), (world_size,), RemoteShell("local"))
 
 
 def _context(planned: Planned, rank: int) -> ProcessContext:

@@ -25,13 +25,37 @@ Display = Callable[["Run", int], None]
 
 
 @dataclass(frozen=True)
+class JobMachine:
+    """This machine's place in a job whose machines each launch from their own kernel
+    (Accelerate's ``num_nodes=``/``node_rank=``; the schema's num_machines/machine_rank):
+    torch's static rendezvous at ``address:port``, served by machine 0."""
+
+    machines: int
+    machine_rank: int
+    address: str
+    port: int
+
+    @property
+    def job_id(self) -> str:
+        """The rendezvous' name: the same in every kernel of the job, as the CLI's."""
+        return f"nbaccel-{self.port}"
+
+
+@dataclass(frozen=True)
 class HostPlacement:
     """Where a several-machine launch runs (``hosts``): each host's share of the processes,
-    and how a command runs there (ssh or srun, with the Python to run)."""
+    and how a command runs there (ssh or srun, with the Python to run). ``job``: a machine
+    of a job launched from each machine's cell, whose one host is this machine."""
 
     hosts: tuple[str, ...]
     shares: tuple[int, ...]
     shell: RemoteShell
+    job: JobMachine | None = None
+
+    def ranks(self) -> range:
+        """The global ranks these hosts run: all of the job's, or this machine's share."""
+        first = self.job.machine_rank * self.shares[0] if self.job is not None else 0
+        return range(first, first + sum(self.shares))
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from nbaccel.events import (
     LogLine,
     Metric,
     ModelPrepared,
+    Rank0Value,
     RankExited,
     ResultReady,
     RunEnded,
@@ -87,6 +88,7 @@ class RunPump:
     run_dir: Path
     config: Config
     world_size: int
+    ranks: tuple[int, ...]
     _xla: XlaPlan | None
     _state: RunState
     _subscribers: list[Subscriber]
@@ -98,7 +100,8 @@ class RunPump:
     _wake_read: int
     _wake_write: int
     _wake_lock: threading.Lock
-    _ranks: list[RankPipes]
+    _ranks: dict[int, RankPipes]  # by global rank: the ranks this run's workers are
+    _rank0_value: bytes | None  # rank 0's value when it runs on another machine
     _arbiter: Arbiter
     _drain_deadline: float | None
     _error: BaseException | None
@@ -109,8 +112,13 @@ class RunPump:
 
     def logs(self, rank: int = 0) -> str:
         """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is not in this run (world size {self.world_size})")
+        if rank not in self.ranks:
+            elsewhere = 0 <= rank < self.world_size  # a job whose machines each have a cell
+            raise ValueError(
+                f"rank {rank} runs on another machine: the cell there shows its output"
+                if elsewhere
+                else f"rank {rank} is not in this run (world size {self.world_size})"
+            )
         return render((self.run_dir / f"rank{rank}.log").read_bytes())
 
     def _open_rank(self, rank: int) -> tuple[int, int]:
@@ -120,7 +128,7 @@ class RunPump:
         for fd in (log_read, event_read):
             os.set_blocking(fd, False)
         log_file = private_file(self.run_dir / f"rank{rank}.log", "wb")
-        self._ranks.append(RankPipes(rank, log_file, log_read, event_read))
+        self._ranks[rank] = RankPipes(rank, log_file, log_read, event_read)
         return log_write, event_write
 
     # ----- the pump thread --------------------------------------------------------
@@ -138,7 +146,7 @@ class RunPump:
     def _pump(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self._wake_read, selectors.EVENT_READ, None)
-        for r in self._ranks:
+        for r in self._ranks.values():
             selector.register(r.log_fd, selectors.EVENT_READ, (r, "log"))
             selector.register(r.event_fd, selectors.EVENT_READ, (r, "events"))
         try:
@@ -201,7 +209,7 @@ class RunPump:
                 r.pid = message.pid
                 host = self._helper.host_of(r.rank) if self._helper is not None else None
                 self._emit(dataclasses.replace(message, host=host))
-            case SettingsApplied() if r.rank == 0:
+            case SettingsApplied() if r.rank == self.ranks[0]:
                 # Beside config.json (the launch's): what the Accelerator made of it.
                 with private_file(self.run_dir / "accelerator_config.json") as file:
                     record = {"values": message.values, "sources": message.sources}
@@ -211,7 +219,7 @@ class RunPump:
             case Metric():
                 entry = {"event": "metric", "rank": r.rank, "step": message.step}
                 self._record({**entry, "values": message.values})
-                if r.rank == 0:
+                if r.rank == self.ranks[0]:  # rank 0, or this machine's first rank
                     with self._records_lock:
                         self._metrics.append({**message.values, "step": message.step})
                         self._metrics_seen += 1
@@ -225,6 +233,8 @@ class RunPump:
                 r.result, r.has_result = message.value, True
                 with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:
                     file.write(message.value)
+            case Rank0Value():
+                self._rank0_value = message.value
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own
@@ -238,7 +248,7 @@ class RunPump:
             # The supervisor is gone, and torch_xla's workers with it (same process group).
             # Ranks that sent their value finished; for the others its status is theirs.
             status = message["status"] or 1
-            for r in self._ranks:
+            for r in self._ranks.values():
                 self._on_exit(r, 0 if r.has_result else status, selector)
         elif op == "exited":
             r = self._ranks[message["rank"]]
@@ -254,7 +264,7 @@ class RunPump:
             failure = Failure(rank, "error", time.time(), error=HelperError(message["error"]))
             self._fail(failure)
             everyone = op == "helper_died" or self._xla is not None
-            for r in self._ranks:
+            for r in self._ranks.values():
                 if r.exitcode is None and (everyone or r.rank == message["rank"]):
                     self._on_exit(r, -int(signal.SIGKILL), selector)
 
@@ -268,7 +278,7 @@ class RunPump:
         self._emit(RankExited(r.rank, status, time.time()))
         if not r.has_result and not self._arbiter.cancelled:
             self._fail(Failure(r.rank, "exit", time.time(), exitcode=status))
-        if all(x.exitcode is not None for x in self._ranks):
+        if all(x.exitcode is not None for x in self._ranks.values()):
             self._drain_deadline = time.monotonic() + DRAIN_SECONDS
 
     def _fail(self, failure: Failure, attempt: int | None = None) -> None:
@@ -313,7 +323,7 @@ class RunPump:
             self._emit(event)
 
     def _tick(self) -> None:
-        live = [r.rank for r in self._ranks if r.exitcode is None]
+        live = [r.rank for r in self._ranks.values() if r.exitcode is None]
         everyone_exited = not live
         for signum, ranks in self._arbiter.due(time.monotonic(), live, everyone_exited):
             if self._helper is not None:
@@ -325,9 +335,9 @@ class RunPump:
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _finished(self) -> bool:
-        if any(r.exitcode is None for r in self._ranks):
+        if any(r.exitcode is None for r in self._ranks.values()):
             return False
-        pipes_open = any(r.log_fd != -1 or r.event_fd != -1 for r in self._ranks)
+        pipes_open = any(r.log_fd != -1 or r.event_fd != -1 for r in self._ranks.values())
         return not pipes_open or (
             self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
         )
@@ -346,11 +356,11 @@ class RunPump:
                 restarts=self._attempts.restarts_used(),
             )
             state = RunState.FAILED
-        elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks):
+        elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks.values()):
             state = RunState.CANCELLED
         else:
             state = RunState.SUCCEEDED
-        for r in self._ranks:
+        for r in self._ranks.values():
             if r.log_fd != -1:
                 self._emit_lines(r, r.splitter.close())
         self._record({"event": "ended", "state": state.value})
@@ -362,7 +372,7 @@ class RunPump:
     def _close_everything(self) -> None:
         if self._helper is not None:
             self._helper.unsubscribe(self.run_id)
-        for r in self._ranks:
+        for r in self._ranks.values():
             for fd in (r.log_fd, r.event_fd):
                 if fd != -1:
                     os.close(fd)

@@ -30,6 +30,7 @@ from typing import IO, Any
 
 from nbaccel.events import FrameDecoder, encode_frame
 from nbaccel.launcher.payload import read_payload
+from nbaccel.launcher.planned import JobMachine
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.starter import StarterListener
 
@@ -57,9 +58,11 @@ class RemoteHosts:
         run_dir: Path,
         *,
         local: bool = False,
+        job: JobMachine | None = None,
     ) -> None:
         self.hosts = list(hosts)
         self.local = local
+        self.job = job  # a machine of a job launched from each machine's cell: its agent
         self.attempt = 0  # the latest attempt any agent started (elastic's restart count)
         self.shares = list(shares)
         self.world_size = sum(shares)
@@ -159,7 +162,7 @@ class RemoteHosts:
         return "\n".join(lines[-STDERR_TAIL_LINES:])
 
     def _start_message(self, index: int, port: int | None) -> dict[str, Any]:
-        return {
+        message = {
             **self._start,
             "op": "start",
             "payload": self._payload,
@@ -170,6 +173,18 @@ class RemoteHosts:
             "endpoint_host": self.hosts[0],
             "endpoint_port": port,
         }
+        if self.job is not None:  # the other machines' kernels start theirs
+            message.update(
+                nnodes=self.job.machines,
+                node_rank=self.job.machine_rank,
+                local_addr=None,  # elastic takes this host's name, as torchrun does
+                endpoint_host=self.job.address,
+                endpoint_port=self.job.port,
+                rendezvous="static",
+                job=self.job.job_id,
+                share_rank0=True,
+            )
+        return message
 
     def _send(self, index: int, message: dict[str, Any]) -> None:
         stdin = self._agents[index].stdin

@@ -14,10 +14,11 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nbaccel.config.schema import Config
+from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter
@@ -44,11 +45,15 @@ class Run(RunPump):
         config: Config,
         world_size: int,
         xla: XlaPlan | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.run_id = run_id
         self.run_dir = run_dir
         self.config = config
         self.world_size = world_size
+        # The ranks whose workers this run starts: all of them, or on a machine of a job
+        # whose machines each launch from their own cell (num_nodes=), this machine's.
+        self.ranks: tuple[int, ...] = tuple(ranks if ranks is not None else range(world_size))
         # A torch_xla launch: one supervisor process stands for every rank (its exit is
         # every rank's, a signal goes to its whole group). "TPU" or "CPU"; None otherwise.
         self._xla = xla
@@ -65,7 +70,8 @@ class Run(RunPump):
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)
         self._wake_lock = threading.Lock()
-        self._ranks: list[RankPipes] = []
+        self._ranks: dict[int, RankPipes] = {}
+        self._rank0_value: bytes | None = None
         self._arbiter = Arbiter()
         self._drain_deadline: float | None = None
         self._error: BaseException | None = None
@@ -98,7 +104,7 @@ class Run(RunPump):
             seen = self._metrics_seen
             if self._events_file is not None:
                 self._events_file.flush()
-        return read_metrics(self.run_dir / "events.jsonl", rank=0, limit=seen)
+        return read_metrics(self.run_dir / "events.jsonl", rank=self.ranks[0], limit=seen)
 
     @property
     def exit_code(self) -> int | None:
@@ -119,7 +125,15 @@ class Run(RunPump):
     @property
     def worker_pids(self) -> dict[int, int]:
         """{rank: pid} of the workers that have started (for memory readings)."""
-        return {r.rank: r.pid for r in self._ranks if r.pid is not None}
+        return {r.rank: r.pid for r in self._ranks.values() if r.pid is not None}
+
+    def shown_ranks(self) -> frozenset[int] | None:
+        """The ranks whose output is shown (``log_ranks``; None: all). On a machine of a job
+        launched from each machine's cell where none of them runs, its own first rank."""
+        shown = shown_ranks(self.config.log_ranks)
+        if shown is None:
+            return None
+        return (shown & frozenset(self.ranks)) or frozenset(self.ranks[:1])
 
     def host_of(self, rank: int) -> str | None:
         """The host ``rank`` runs on, on several machines (``hosts=``); None on this one."""
@@ -144,9 +158,10 @@ class Run(RunPump):
         return self._value(0, timeout)
 
     def results(self, timeout: float | None = None) -> dict[int, Any]:
-        """Every rank's return value, ``{rank: value}``."""
+        """Every rank's return value, ``{rank: value}`` (of this machine's ranks, where each
+        machine of a job launches from its own cell)."""
         self.wait(timeout)
-        return {r.rank: self._value(r.rank, None) for r in self._ranks}
+        return {r.rank: self._value(r.rank, None) for r in self._ranks.values()}
 
     def stop(self, timeout: float = 10.0) -> RunState:
         """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL."""
@@ -226,5 +241,9 @@ class Run(RunPump):
                 f"run {self.run_id} was stopped before it finished; it has no result."
             )
         if rank not in self._results_cache:
-            self._results_cache[rank] = pickle.loads(self._ranks[rank].result or pickle.dumps(None))
+            here = self._ranks.get(rank)
+            # Rank 0 on another machine (a job whose machines each have a cell): its value
+            # came from the job's store, through this machine's first worker.
+            value = here.result if here is not None else self._rank0_value
+            self._results_cache[rank] = pickle.loads(value or pickle.dumps(None))
         return self._results_cache[rank]

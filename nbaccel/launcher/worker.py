@@ -62,7 +62,7 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
             events,
             payload_fd,
             start=lambda config: _start_distributed(context, config, listen_fd),
-            finish=_finish_distributed,
+            finish=lambda value: _finish_distributed(),
         )
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -50,14 +50,15 @@ def run_payload(
     events: EventWriter,
     payload_fd: int,
     start: Callable[[Config], None],
-    finish: Callable[[], None],
+    finish: Callable[[bytes], None],
     xla: XlaPlan | None = None,
     explain: Callable[[BaseException], str | None] = lambda error: None,
 ) -> int:
     """Load the payload, call the function, report its value or error; the exit code.
 
     ``start`` readies torch.distributed once the config is known (gloo/nccl, or xla);
-    ``finish`` runs after the value was sent (a barrier that keeps rank 0's store up);
+    ``finish`` runs after the value was sent, with it pickled (a barrier that keeps rank
+    0's store up; where machines launch from their own cells, rank 0's value travels);
     ``explain`` may give a failure a note with the fix (kept: the exception keeps its type).
     """
     try:
@@ -79,8 +80,9 @@ def run_payload(
             if exit_request.code not in (0, None):
                 raise
             value = None
-        events.send(ResultReady(context.rank, _dump_result(context.rank, value)))
-        finish()
+        dumped = _dump_result(context.rank, value)
+        events.send(ResultReady(context.rank, dumped))
+        finish(dumped)
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
         note = explain(error)

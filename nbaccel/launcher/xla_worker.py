@@ -76,7 +76,7 @@ def _run_rank(
             events,
             payload_fd,
             start=lambda config: _start_group(plan, config),
-            finish=lambda: None,
+            finish=lambda value: None,
             xla=plan,
             explain=lambda error: explain_xla_failure(str(error)),
         )

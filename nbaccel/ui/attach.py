@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.config.schema import shown_ranks
 from nbaccel.events import DeviceMemory, Event
 from nbaccel.launcher.run import Run
 from nbaccel.ui.dashboard import Dashboard
@@ -38,8 +37,8 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
     """
     # Closures hold the run weakly: the registry's value must not keep its key alive.
     ref = weakref.ref(run)
-    shown = shown_ranks(run.config.log_ranks)
-    first = min(shown) if shown else 0
+    shown = run.shown_ranks()
+    first = min(shown) if shown else run.ranks[0]
     source = memory_source(
         world_size=run.world_size,
         gpus=gpus,
@@ -53,10 +52,10 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
     if isinstance(source, ReportedMemory):
         run.subscribe(_reports_to(source, sampler))
     dashboard = Dashboard(
-        DashboardModel.for_config(run.config, run.world_size),
+        DashboardModel.for_config(run.config, run.world_size, run.ranks),
         stop=None if blocking else lambda: _request_stop(ref),
         blocking=blocking,
-        rank=first if first < run.world_size else 0,
+        rank=first if first in run.ranks else run.ranks[0],
         sampler=sampler,
     )
     _dashboards[run] = dashboard

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 
-from nbaccel.config.schema import shown_ranks
 from nbaccel.errors import ConfigError
 from nbaccel.launcher.planned import Display
 from nbaccel.launcher.printer import TextPrinter
@@ -63,8 +62,9 @@ def choose_display(dashboard: str | bool, *, blocking: bool) -> Display:
         return show_widgets
 
     def show_text(run: Run, gpus: int) -> None:
-        shown = shown_ranks(run.config.log_ranks)
-        printer = TextPrinter(sys.stdout, shown, announce_end=not blocking, host_of=run.host_of)
+        printer = TextPrinter(
+            sys.stdout, run.shown_ranks(), announce_end=not blocking, host_of=run.host_of
+        )
         run.subscribe(printer)
 
     return show_text

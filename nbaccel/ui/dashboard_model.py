@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nbaccel.config.schema import Config
@@ -88,12 +89,16 @@ class DashboardModel:
         self,
         world_size: int = 1,
         *,
+        ranks: Sequence[int] | None = None,
         strategy: str = "auto",
         precision: str = "no",
         tail_lines: int = 200,
         max_points: int = 4000,
     ) -> None:
         self.world_size = world_size
+        # The ranks this dashboard's run has: all, or one machine's of a job launched from
+        # each machine's own cell.
+        self._ranks = list(ranks) if ranks is not None else None
         self.strategy = strategy
         self.precision = precision
         self.run_id = ""
@@ -124,10 +129,17 @@ class DashboardModel:
         self.estimate: MemoryEstimate | None = None  # per device, once rank 0 prepared a model
 
     @classmethod
-    def for_config(cls, config: Config, world_size: int, **options: int) -> DashboardModel:
+    def for_config(
+        cls,
+        config: Config,
+        world_size: int,
+        ranks: Sequence[int] | None = None,
+        **options: int,
+    ) -> DashboardModel:
         """A model labelled with a run's strategy and precision."""
         model = cls(
             world_size,
+            ranks=ranks,
             strategy=config.strategy,
             precision=config.mixed_precision,
             **options,
@@ -206,7 +218,7 @@ class DashboardModel:
     # ----- output -----------------------------------------------------------------
     @property
     def ranks(self) -> list[int]:
-        return list(range(self.world_size))
+        return list(self._ranks) if self._ranks is not None else list(range(self.world_size))
 
     def tail(self, rank: int) -> list[str]:
         return self._tail(rank).lines

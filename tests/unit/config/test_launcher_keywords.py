@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 
 import nbaccel
-from nbaccel.config.launcher_keywords import ACCELERATE_KEYWORDS, from_accelerate_keywords
+from nbaccel.config.launcher_keywords import (
+    ACCELERATE_KEYWORDS,
+    from_accelerate_keywords,
+    processes_in_total,
+)
 from nbaccel.config.schema import options
 
 accelerate = pytest.importorskip("accelerate")
@@ -65,9 +69,11 @@ def test_renamed_keywords_show_their_source() -> None:
     ("given", "fragment"),
     [
         ({"rdzv_backend": "etcd"}, "rdzv_backend='etcd' is not available"),
-        ({"rdzv_endpoint": "node1:29400"}, "rdzv_endpoint='node1:29400' is not available"),
+        ({"rdzv_endpoint": "node1"}, "rdzv_endpoint='node1' is not 'host:port'"),
+        ({"rdzv_endpoint": "node1:29400", "use_port": "29400"}, "Both rdzv_endpoint= and use_port"),
+        ({"num_nodes": 2, "rdzv_backend": "c10d"}, "lets torch elastic order the machines"),
         ({"rdzv_conf": {"timeout": 9}}, "rdzv_conf={'timeout': 9} is not available"),
-        ({"rdzv_id": "job7"}, "rdzv_id='job7' names a job"),
+        ({"rdzv_id": "job7"}, "rdzv_id='job7': nbaccel names each run itself"),
         ({"log_line_prefix_template": "${rank}"}, "nbaccel labels each rank's lines"),
         ({"monitor_interval": 0}, "monitor_interval must be a finite number > 0"),
         ({"monitor_interval": math.nan}, "monitor_interval must be a finite number > 0"),
@@ -87,6 +93,26 @@ def test_elastic_values_nbaccel_already_meets_are_accepted() -> None:
     assert from_accelerate_keywords(given) == {}
 
 
+def test_accelerates_per_node_form_maps_onto_the_schema() -> None:
+    given = {"num_nodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "use_port": "29400"}
+    mapped = from_accelerate_keywords({**given, "rdzv_backend": "static", "rdzv_id": "none"})
+    assert mapped == {
+        "num_machines": 2,
+        "machine_rank": 1,
+        "main_process_ip": "10.0.0.1",
+        "main_process_port": 29400,
+    }
+    # Accelerate's notebook_launcher counts num_processes per node (its nproc_per_node).
+    assert processes_in_total(2, given) == 4
+    assert processes_in_total(2, {"num_machines": 2}) == 2  # nbaccel's field: a total
+    endpoint = from_accelerate_keywords({"num_nodes": 2, "rdzv_endpoint": "10.0.0.1:29400"})
+    assert endpoint == {
+        "num_machines": 2,
+        "main_process_ip": "10.0.0.1",
+        "main_process_port": 29400,
+    }
+
+
 def train(scale: int) -> int:
     return scale
 
@@ -94,7 +120,8 @@ def train(scale: int) -> int:
 @pytest.mark.parametrize(
     ("given", "fragment"),
     [
-        ({"num_nodes": 2, "node_rank": 1}, "num_machines=2 (from argument)"),
+        ({"num_nodes": 2, "node_rank": 1, "rdzv_backend": "c10d"}, "static rendezvous"),
+        ({"num_nodes": 2, "node_rank": 2}, "machine_rank=2 but num_machines=2"),
         ({"master_addr": "192.0.2.7"}, "keeps every socket on loopback"),
         ({"use_port": "http"}, "main_process_port must be int"),
         ({"max_restarts": -1}, "max_restarts"),

@@ -31,7 +31,11 @@ def train(lr: float, epochs: int = 1) -> float:
         ({"args": ()}, TypeError, "missing a required argument: 'lr'"),
         ({"args": (1.0, 2, 3)}, TypeError, "too many positional arguments"),
         ({"kwargs": {"epoch": 2}}, TypeError, "unexpected keyword argument 'epoch'"),
-        ({"num_machines": 2}, nbaccel.ConfigError, "num_machines=2 (from argument)"),
+        (
+            {"num_machines": 2, "detach": True},
+            nbaccel.ConfigError,
+            "num_machines=2 (from argument) joins the machines of a job through torch elastic",
+        ),
         ({"main_process_ip": "192.0.2.7"}, nbaccel.ConfigError, "keeps every socket on loopback"),
     ],
 )
@@ -49,7 +53,7 @@ def test_machine_rank_refused_and_env_named_as_source(
 ) -> None:
     monkeypatch.setenv("NBACCEL_NUM_MACHINES", "3")
     with pytest.raises(nbaccel.ConfigError, match=r"num_machines=3 \(from env:NBACCEL_NUM_"):
-        nbaccel.launch(train, args=(1.0,), runs_dir=str(nothing_started))
+        nbaccel.launch(train, args=(1.0,), runs_dir=str(nothing_started), detach=True)
     monkeypatch.delenv("NBACCEL_NUM_MACHINES")
     for loopback in ("127.0.0.1", "localhost", "::1"):
         checks.check_one_machine(nbaccel.resolve({"main_process_ip": loopback}, env={}))

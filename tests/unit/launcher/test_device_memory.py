@@ -16,6 +16,7 @@ import pytest
 from nbaccel.config.schema import Config
 from nbaccel.events import DeviceMemory, Metric
 from nbaccel.launcher.device_memory import start_device_memory_reports
+from nbaccel.launcher.run import Run
 from nbaccel.ui.dashboard_model import MemoryReading
 from nbaccel.ui.memory import MemorySampler, ProcessMemory, ReportedMemory, memory_source
 
@@ -187,9 +188,12 @@ def test_memory_source_uses_worker_reports_for_xla_runs_only() -> None:
 
 # ----- attached to a run -----------------------------------------------------------------
 class FakeRun:
+    shown_ranks = Run.shown_ranks  # the real one: it reads config and ranks only
+
     def __init__(self, world_size: int = 2, xla_device: str | None = None) -> None:
         self.config = Config()
         self.world_size = world_size
+        self.ranks = tuple(range(world_size))
         self.worker_pids: dict[int, int] = {}
         self.subscribers: list[Any] = []
         self.xla_device = xla_device  # as Run: "TPU"/"CPU" for torch_xla launches, else None

@@ -33,6 +33,7 @@ from nbaccel.events import (
     RunState,
     WorkerStarted,
 )
+from nbaccel.launcher.run import Run
 from nbaccel.ui import choose
 from nbaccel.ui.attach import attach_dashboard, dashboard_for
 from nbaccel.ui.dashboard import Dashboard
@@ -401,9 +402,12 @@ def test_widgets_in_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class FakeRun:
+    shown_ranks = Run.shown_ranks  # the real one: it reads config and ranks only
+
     def __init__(self, world_size: int = 2, **config: Any) -> None:
         self.config = Config(**config)
         self.world_size = world_size
+        self.ranks = tuple(range(world_size))
         self.worker_pids = {0: os.getpid()}
         self.xla_device: str | None = None  # as Run for launches not through torch_xla
         self.subscribers: list[Any] = []
