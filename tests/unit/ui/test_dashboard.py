@@ -658,3 +658,17 @@ def test_settings_from_the_workers_accelerator_relabel_the_header_and_estimate()
     ddp.handle(ModelPrepared(0, 1_000_000, 2.0))
     assert ddp.estimate is not None
     assert model.estimate.total < ddp.estimate.total  # sharded: the estimate follows the plugin
+
+
+def test_a_machine_of_a_job_shows_its_own_ranks() -> None:
+    # Machine 1 of a job launched from each machine's cell (num_nodes=2): ranks 2 and 3.
+    run = FakeRun(world_size=4)
+    run.ranks = (2, 3)
+    dash = attach_dashboard(run, blocking=True, gpus=0)  # type: ignore[arg-type]
+    assert dash.rank_selector.value == 2  # log_ranks "0" is elsewhere: its own first rank
+    assert [value for _, value in dash.rank_selector.options] == [2, 3]
+    assert run.shown_ranks() == {2}  # the text display's choice, the same
+    run.config = Config(log_ranks="all")
+    assert run.shown_ranks() is None
+    run.config = Config(log_ranks="1,3")
+    assert run.shown_ranks() == {3}
