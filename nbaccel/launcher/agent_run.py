@@ -149,6 +149,7 @@ def run_host(
             start["run_dir"],
             stop_fd,
             bool(start.get("share_rank0", False)),
+            start.get("memory_host"),
         )
         return True, {int(rank): 0 for rank in values}
     except ChildFailedError as error:

@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.events import EventWriter, Rank0Value, WorkerStarted, encode_frame
+from nbaccel.launcher.memory_reports import report_memory
 from nbaccel.launcher.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.worker_bootstrap import capture_output, run_payload
 
@@ -32,14 +34,22 @@ STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: what a worker the stop reached would e
 
 
 def run_elastic_worker(
-    address: str, payload_fd: int, run_id: str, run_dir: str, stop_fd: int, share_rank0: bool
+    address: str,
+    payload_fd: int,
+    run_id: str,
+    run_dir: str,
+    stop_fd: int,
+    share_rank0: bool,
+    host: str | None,
 ) -> None:
     """The entry point torch elastic calls in each forked worker (a module-level function).
 
     ``stop_fd``: the read end of the agent's stop pipe. Once the kernel has ended the run,
     a worker that elastic still restarts leaves at once instead of running the function
     again (elastic restarts a group whose workers a stop interrupted). ``share_rank0``: each
-    machine has its own kernel (``num_nodes=``), and each returns rank 0's value."""
+    machine has its own kernel (``num_nodes=``), and each returns rank 0's value. ``host``:
+    the kernel's name for this host when it is another machine, whose processes the kernel
+    cannot read: the worker reports its own memory (``memory_reports``)."""
     os.setsid()  # a stop from the agent reaches this worker's children too (DataLoader)
     set_parent_death_signal(signal.SIGKILL)  # the agent gone: so are we
     if select.select([stop_fd], [], [], 0)[0]:
@@ -66,17 +76,24 @@ def run_elastic_worker(
     )
     timeout = timedelta(seconds=Config().collective_timeout)  # the launch's, once known
 
+    stop_reports: Callable[[], None] = _nothing  # replaced once the device is chosen
+
     def start(config: Config) -> None:
-        nonlocal timeout
+        nonlocal timeout, stop_reports
         timeout = timedelta(seconds=config.collective_timeout)
         _start_distributed(config)
+        if host is not None:
+            stop_reports = report_memory(events, host, rank, cuda=_uses_cuda(config))
 
     def finish(value: bytes) -> None:
         if share_rank0:
             _share_rank0_value(value, events, timeout)
         _finish()
 
-    code = run_payload(context, events, os.dup(payload_fd), start=start, finish=finish)
+    try:
+        code = run_payload(context, events, os.dup(payload_fd), start=start, finish=finish)
+    finally:
+        stop_reports()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     flush_c_stdio()
@@ -95,12 +112,22 @@ def _connect(address: str, rank: int, channel: str, attempt: int) -> int:
     return sock.detach()
 
 
+def _nothing() -> None:
+    """No memory reports to stop (this machine's kernel reads them itself)."""
+
+
+def _uses_cuda(config: Config) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and not config.use_cpu
+
+
 def _start_distributed(config: Config) -> None:
     if not config.init_process_group:
         return
     import torch
 
-    use_cuda = torch.cuda.is_available() and not config.use_cpu
+    use_cuda = _uses_cuda(config)
     if use_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"

@@ -172,6 +172,8 @@ class RemoteHosts:
             "local_addr": self.hosts[index],
             "endpoint_host": self.hosts[0],
             "endpoint_port": port,
+            # Another machine: its workers report their memory, named after this host.
+            "memory_host": None if self.local else self.hosts[index],
         }
         if self.job is not None:  # the other machines' kernels start theirs
             message.update(

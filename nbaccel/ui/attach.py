@@ -46,6 +46,7 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
         pids=lambda: _pids(ref),
         env=os.environ,
         xla_device=run.xla_device,
+        remote=bool(run.config.hosts),  # the workers there report their own memory
     )
     # The sampler's callback finds the dashboard when it first runs (after the run starts).
     sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))

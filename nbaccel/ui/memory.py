@@ -195,14 +195,19 @@ class ReportedMemory:
     [('rank 0 (TPU:0)', None, None, None), ('rank 1 (TPU:1)', 1073741824, 2147483648, 17179869184)]
     """
 
-    def __init__(self, world_size: int, device: str | None = None) -> None:
+    def __init__(self, world_size: int, device: str | None = None, *, remote: bool = False) -> None:
         self._world_size = world_size
         self._device = device
+        # Ranks on other machines (hosts=): each report names its host and device.
+        self._remote = remote
         self._latest: dict[int, DeviceMemory] = {}
         self._lock = threading.Lock()
 
-    def label(self, rank: int) -> str:
-        """The bar's name for ``rank``: ``rank 0 (TPU:0)``, or ``rank 0 (xla)``."""
+    def label(self, rank: int, report: DeviceMemory | None = None) -> str:
+        """The bar's name for ``rank``: ``rank 0 (TPU:0)``, ``rank 0 (xla)``, or on another
+        machine its report's ``host:device``: ``rank 3 (node2:cuda1)``."""
+        if self._remote:
+            return f"rank {rank} ({report.device})" if report is not None else f"rank {rank}"
         return f"rank {rank} ({self._device}:{rank})" if self._device else f"rank {rank} (xla)"
 
     def post(self, event: DeviceMemory) -> bool:
@@ -222,7 +227,7 @@ class ReportedMemory:
                 readings.append(MemoryReading(self.label(rank), None, None, None))
             else:
                 readings.append(
-                    MemoryReading(self.label(rank), event.used, event.peak, event.limit)
+                    MemoryReading(self.label(rank, event), event.used, event.peak, event.limit)
                 )
         return readings
 
@@ -241,8 +246,10 @@ def memory_source(
     pids: Pids,
     env: Mapping[str, str],
     xla_device: str | None = None,
+    remote: bool = False,
 ) -> MemorySource:
-    """The right source for a run: NVML when it uses GPUs, worker reports for XLA, else psutil.
+    """The right source for a run: NVML when it uses GPUs, worker reports for XLA and for
+    ranks on other machines (``remote``: ``hosts=``), else psutil.
 
     ``xla_device``: the PJRT device ("TPU", "CPU") of a launch through torch_xla, else None.
 
@@ -252,6 +259,8 @@ def memory_source(
     ...     world_size=1, gpus=0, strategy="fsdp", pids=dict, env={}, xla_device="TPU").read()]
     ['rank 0 (TPU:0)']
     """
+    if remote:
+        return ReportedMemory(world_size, remote=True)
     if xla_device is not None or strategy == "xla":
         return ReportedMemory(world_size, xla_device)
     processes = ProcessMemory(pids)

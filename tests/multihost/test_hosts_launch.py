@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 import nbaccel
-from nbaccel.events import Event, WorkerStarted
+from nbaccel.events import DeviceMemory, Event, WorkerStarted
+from nbaccel.ui.memory import ReportedMemory
 from tests.multihost.conftest import SshHosts
 
 GONE_WITHIN_S = 25.0  # issue 15's goal is 5 s
@@ -74,6 +75,17 @@ def test_one_call_runs_every_rank_of_two_hosts(ssh_hosts: SshHosts, tmp_path: Pa
     hosts = {e.rank: e.host for e in seen if isinstance(e, WorkerStarted)}
     if len(hosts) == 4:  # subscribed after the start: only if the events were not missed
         assert sorted(hosts.values()) == sorted(list(ssh_hosts.hosts) * 2)
+    # The kernel cannot read another machine's processes: each worker reports its memory,
+    # named host:device, at its start (before any of its results), then about once a second.
+    memory = {e.rank: e for e in seen if isinstance(e, DeviceMemory)}
+    assert sorted(memory) == [0, 1, 2, 3], memory
+    assert {e.device for e in memory.values()} == {f"{h}:cpu" for h in ssh_hosts.hosts}
+    assert all(0 < e.used <= (e.peak or 0) < (e.limit or 0) for e in memory.values()), memory
+    source = ReportedMemory(4, remote=True)
+    for report in memory.values():
+        source.post(report)
+    labels = [reading.device for reading in source.read()]
+    assert labels == [f"rank {r} ({memory[r].device})" for r in range(4)], labels
     # Each agent's own output is kept in the run folder, one file per host.
     assert sorted(p.name for p in run.run_dir.glob("agent-*.log")) == [
         f"agent-{i}-{host}.log" for i, host in enumerate(ssh_hosts.hosts)
