@@ -21,6 +21,10 @@ def _multi_node(values: Mapping[str, Any]) -> bool:
     return int(values["num_machines"]) > 1
 
 
+def _with_hosts(values: Mapping[str, Any]) -> bool:
+    return bool(values["hosts"])
+
+
 # Dotted path (or a section prefix ending in ".") -> when its questions apply. A field not
 # named here is always asked; a skipped one gets its schema default.
 APPLIES_WHEN: dict[str, Predicate] = {
@@ -33,7 +37,9 @@ APPLIES_WHEN: dict[str, Predicate] = {
     # DeepSpeed reads it only at stage 3 (and nbaccel refuses it below).
     "deepspeed.zero3_save_16bit_model": lambda values: int(values["deepspeed_zero_stage"]) == 3,
     **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
-    "rdzv_timeout": _multi_node,
+    "rdzv_timeout": lambda values: _multi_node(values) or _with_hosts(values),
+    # How the kernel reaches the hosts of hosts=: nothing to ask without hosts.
+    **dict.fromkeys(["ssh_options", "remote_python"], _with_hosts),
     # Asked only when this machine's share of the processes would otherwise be refused on
     # its CPUs (num_processes counts all machines).
     "allow_oversubscribe": lambda values: (

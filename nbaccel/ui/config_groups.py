@@ -38,6 +38,7 @@ GROUPS = (
         (
             *("num_processes", "allow_oversubscribe", "use_cpu", "num_machines"),
             *("machine_rank", "main_process_ip", "main_process_port", "rdzv_timeout"),
+            *("hosts", "ssh_options", "remote_python", "max_restarts"),
         ),
     ),
     Group("precision", "Precision", ("mixed_precision",)),

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
+from nbaccel.config.display import applies
 from nbaccel.config.schema import option, options
 from nbaccel.ui.config_groups import GROUPS, Machine, group_of, grouped_options, matters_here
 from nbaccel.ui.config_panel import ConfigPanel
@@ -67,7 +68,15 @@ def test_the_panel_shows_the_groups_with_advanced_collapsed() -> None:
     assert [box.selected_index for box in accordions] == [0, 0, 0, 0, 0, None]
     assert "nbaccel-group-advanced" in panel.group_boxes["advanced"]._dom_classes
     # Only what applies on a one-machine CPU box with strategy auto:
-    assert visible_names(panel, "processes") == ["num_processes", "num_machines"]
+    assert visible_names(panel, "processes") == [
+        "num_processes",
+        "num_machines",
+        "hosts",
+        "max_restarts",
+    ]
+    # How the kernel reaches hosts matters only once there are hosts.
+    assert not applies("ssh_options", {"hosts": ()})
+    assert applies("remote_python", {"hosts": ("node1", "node2")})
     assert visible_names(panel, "strategy") == ["strategy", "shard_optimizer_state"]
     assert visible_names(panel, "loop") == [
         "gradient_accumulation_steps",
