@@ -399,19 +399,3 @@ class RunPump:
         with self._records_lock:  # run.metrics may flush the file from another thread
             if self._events_file is not None:
                 self._events_file.write(json.dumps({"time": time.time(), **entry}) + "\n")
-
-
-def read_metrics(events: Path, *, rank: int, limit: int | None = None) -> list[dict[str, Any]]:
-    """A rank's metric records from a run's ``events.jsonl``, in order: the logged values
-    plus ``step`` (the first ``limit`` of them)."""
-    found: list[dict[str, Any]] = []
-    with open(events) as lines:
-        for line in lines:
-            if limit is not None and len(found) >= limit:
-                break
-            if '"metric"' not in line:
-                continue  # most lines are not metrics: skip parsing them
-            record = json.loads(line)
-            if record.get("event") == "metric" and record.get("rank") == rank:
-                found.append({**record["values"], "step": record["step"]})
-    return found

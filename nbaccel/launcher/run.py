@@ -22,9 +22,9 @@ from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
 from nbaccel.launcher.arbiter import Arbiter
-from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber, read_metrics
+from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
 from nbaccel.launcher.restarts import Attempts
-from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.run_folder import private_file, read_metrics
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
 

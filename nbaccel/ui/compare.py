@@ -4,7 +4,7 @@ Every run keeps its metrics in ``<runs_dir>/<run id>/events.jsonl``; run ids beg
 the launch time (``20261125-181712-54fef4``), so sorting them sorts the runs. The picker
 lists the newest earlier runs; a picked run's rank-0 metrics are read once (on the
 dashboard's UI thread, or the kernel's once the run has ended) and kept. Stdlib and
-``read_metrics`` only: the kernel never imports torch.
+``run_folder.read_metrics`` only: the kernel never imports torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
-from nbaccel.launcher.pump import read_metrics
+from nbaccel.launcher.run_folder import read_metrics
 
 MAX_LISTED = 20  # the newest earlier runs offered; older ones are still on disk
 MAX_POINTS = 4000  # per overlaid series, as the live series' bound
