@@ -12,7 +12,7 @@ NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 
 .PHONY: demo test test-newest newest-venv lint unit multiprocess multihost notebook browser xla \
-	bench clean
+	bench clean bytecode
 
 # Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
@@ -32,6 +32,14 @@ $(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
 $(XLA_STAMP): pyproject.toml requirements/xla.txt
 	.ci/build-xla-venv $(XLA_VENV)
 
+# nbaccel's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as on the CI
+# machine) every fresh process (a kernel, the helper, an agent, a test's script) would
+# otherwise compile the package again, ~0.1 s each. compileall writes it all the same;
+# an edited module is simply compiled again at its next import. Every venv here is made by
+# python3 -m venv, so python3's bytecode is theirs.
+bytecode:
+	python3 -m compileall -q nbaccel
+
 demo: $(STAMP)
 	$(VENV)/bin/nbaccel demo
 
@@ -42,29 +50,29 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check nbaccel tests benchmarks
 	$(PY) -m mypy
 
-unit: $(STAMP)
+unit: $(STAMP) bytecode
 	$(PY) -m pytest tests/unit
 
-multiprocess: $(STAMP)
+multiprocess: $(STAMP) bytecode
 	$(PY) -m pytest tests/multiprocess
 
 # Several machines over real SSH: Debian's sshd (installed by .ci/install-browser, a no-op
 # once there), started by the tests' fixture on 127.0.0.2 and 127.0.0.3. Seconds.
-multihost: $(STAMP)
+multihost: $(STAMP) bytecode
 	.ci/install-browser
 	$(PY) -m pytest tests/multihost
 
-notebook: $(STAMP)
+notebook: $(STAMP) bytecode
 	$(PY) -m pytest tests/notebook
 
 # JupyterLab in Debian's headless chromium (installed by .ci/install-browser, a no-op once there).
-browser: $(STAMP)
+browser: $(STAMP) bytecode
 	.ci/install-browser
 	$(PY) -m pytest tests/browser
 
 # torch_xla on its CPU device: real launches (python - and notebooks), SPMD/FSDPv2, the
 # Accelerator on XLA. PJRT_DEVICE=CPU here; each test sets CPU_NUM_DEVICES for its workers.
-xla: $(XLA_STAMP)
+xla: $(XLA_STAMP) bytecode
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla
 
 # The newest releases pyproject.toml allows (no lock; on this machine pip's own cap keeps
@@ -94,7 +102,7 @@ NEWEST_TESTS := tests/unit \
 	'tests/notebook/test_example_notebooks.py::test_example_notebook_runs[05_accelerate_code_unchanged]' \
 	tests/multihost/test_preflight.py tests/multihost/test_hosts_launch.py
 
-test-newest: $(if $(NEWEST_READY),,newest-venv)
+test-newest: $(if $(NEWEST_READY),,newest-venv) bytecode
 	@grep -iE '^(torch|cloudpickle|ipykernel|ipywidgets|accelerate|safetensors)==' $(NEWEST_VENV)/resolved.txt
 	$(NEWEST_PY) -m pytest $(NEWEST_TESTS)
 
