@@ -16,9 +16,10 @@ NEWEST_PY := $(NEWEST_VENV)/bin/python
 
 # Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
-$(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
+# .ci/pip-install is pip install done by uv (several times faster), or by pip if uv fails.
+$(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt requirements/uv.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --requirement requirements/ci.txt
+	.ci/pip-install $(VENV) --requirement requirements/ci.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation --editable .
 	$(PY) -m pip check
 	# The oldest cloudpickle pyproject allows, beside the venv (not in it): the payload
@@ -29,7 +30,7 @@ $(STAMP): pyproject.toml requirements/ci.txt requirements/cloudpickle-oldest.txt
 
 # The torch_xla environment: torch 2.9 + torch_xla 2.9 (they must match), nbaccel from here.
 # The script waits for a build already under way (.ci/run starts one in the background).
-$(XLA_STAMP): pyproject.toml requirements/xla.txt
+$(XLA_STAMP): pyproject.toml requirements/xla.txt requirements/uv.txt
 	.ci/build-xla-venv $(XLA_VENV)
 
 # nbaccel's bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as on the CI
