@@ -8,14 +8,17 @@ kernelspec for ``sys.executable``, and tests check that inside the kernel.
 
 from __future__ import annotations
 
+import queue
 import re
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
+from jupyter_client import BlockingKernelClient
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient import NotebookClient
 from nbformat import NotebookNode
@@ -142,3 +145,28 @@ class Cells:
 @pytest.fixture(scope="session")
 def cells() -> type[Cells]:
     return Cells
+
+
+def cell_output(
+    kc: BlockingKernelClient, msg_id: str, deadline: float
+) -> tuple[str, list[dict[str, Any]], bool]:
+    """What the cell ``msg_id`` printed (its stream text), its errors (the iopub contents:
+    ename, evalue, traceback), and whether the kernel went idle after it by ``deadline``
+    (a ``time.monotonic()`` value)."""
+    text: list[str] = []
+    errors: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=0.2)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        content = msg["content"]
+        if msg["msg_type"] == "stream":
+            text.append(content["text"])
+        elif msg["msg_type"] == "error":
+            errors.append(content)
+        elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
+            return "".join(text), errors, True
+    return "".join(text), errors, False

@@ -21,6 +21,8 @@ import psutil
 import pytest
 from jupyter_client import BlockingKernelClient, KernelManager
 
+from tests.notebook.conftest import cell_output
+
 KERNEL_NAME = "python3"
 STOP_SECONDS = 3.0  # interrupt -> every worker and DataLoader worker gone
 
@@ -116,22 +118,8 @@ def _reply(kc: BlockingKernelClient, msg_id: str, deadline: float) -> dict[str, 
 
 def _iopub_text(kc: BlockingKernelClient, msg_id: str, timeout: float = 10) -> str:
     """The cell's stream and error output, read until the kernel goes idle after it."""
-    deadline, parts = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        try:
-            msg = kc.get_iopub_msg(timeout=0.2)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        content = msg["content"]
-        if msg["msg_type"] == "stream":
-            parts.append(content["text"])
-        elif msg["msg_type"] == "error":
-            parts.append("\n".join(content["traceback"]))
-        elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
-            break
-    return "".join(parts)
+    text, errors, _ = cell_output(kc, msg_id, time.monotonic() + timeout)
+    return text + "".join("\n".join(error["traceback"]) for error in errors)
 
 
 def _running(pid: int) -> bool:

@@ -10,7 +10,6 @@ each cell shows its own machine's ranks only, and every cell returns rank 0's va
 from __future__ import annotations
 
 import json
-import queue
 import socket
 import textwrap
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 from jupyter_client import BlockingKernelClient, KernelManager
+
+from tests.notebook.conftest import cell_output
 
 KERNEL_NAME = "python3"
 
@@ -84,22 +85,10 @@ def _free_port() -> int:
 
 def _run_to_idle(kc: BlockingKernelClient, msg_id: str, deadline: float) -> tuple[str, list[str]]:
     """The cell's stream text and error names, read until the kernel is idle after it."""
-    text, errors = [], []
-    while time.monotonic() < deadline:
-        try:
-            msg = kc.get_iopub_msg(timeout=0.2)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        content = msg["content"]
-        if msg["msg_type"] == "stream":
-            text.append(content["text"])
-        elif msg["msg_type"] == "error":
-            errors.append(f"{content['ename']}: {content['evalue']}")
-        elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
-            return "".join(text), errors
-    pytest.fail(f"the cell did not finish in time; so far:\n{''.join(text)}")
+    text, errors, idle = cell_output(kc, msg_id, deadline)
+    if not idle:
+        pytest.fail(f"the cell did not finish in time; so far:\n{text}")
+    return text, [f"{error['ename']}: {error['evalue']}" for error in errors]
 
 
 @pytest.mark.timeout(400)
