@@ -110,7 +110,7 @@ test-newest: $(if $(NEWEST_READY),,newest-venv) bytecode
 newest-venv:
 	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install --quiet --upgrade pip
-	$(NEWEST_PY) -m pip install --quiet --upgrade --upgrade-strategy eager --editable '.[dev]'
+	.ci/pip-install $(NEWEST_VENV) --upgrade --editable '.[dev]'
 	$(NEWEST_PY) -m pip check
 	$(NEWEST_PY) -m pip freeze --exclude-editable > $(NEWEST_VENV)/resolved.txt
 
