@@ -91,7 +91,9 @@ def plan(
         world_size = sum(placement.shares)
     elif resolved.config.num_machines > 1:  # this machine's share: each machine runs the cell
         gpus = 0 if resolved.config.use_cpu else visible_gpu_count(os.environ)
-        placement = place_machine_of_job(resolved.config, gpus, resolved.sources["num_machines"])
+        placement = place_machine_of_job(
+            resolved.config, gpus, os.environ, resolved.sources["num_machines"]
+        )
         world_size = resolved.config.total_processes(gpus)
     else:
         checks.check_one_machine(resolved)
@@ -234,13 +236,9 @@ def _gpu_world_size(config: Config, env: Mapping[str, str], gpus: int | None) ->
         return max(gpus, 1)
     if not gpus:
         checks.check_oversubscription(config, config.num_processes, usable_cpu_cores())
-    if gpus and config.num_processes > gpus:
-        raise ConfigError(
-            f"num_processes={config.num_processes}, but only {gpus} GPU(s) are visible"
-            f" (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}). Use "
-            f"num_processes<={gpus}, or use_cpu=True to run CPU processes instead.",
-            field="num_processes",
-        )
+    checks.check_gpus_suffice(
+        config.num_processes, gpus, env, asked=f"num_processes={config.num_processes}", most=gpus
+    )
     return config.num_processes
 
 

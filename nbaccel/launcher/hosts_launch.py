@@ -23,6 +23,7 @@ from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.devices import loopback_interface, usable_cpu_cores
 from nbaccel.errors import ConfigError
+from nbaccel.launcher.checks import check_gpus_suffice
 from nbaccel.launcher.elastic import DEFAULT_MULTINODE_PORT
 from nbaccel.launcher.hosts import processes_per_host, read_hosts
 from nbaccel.launcher.planned import Display, HostPlacement, JobMachine, Planned
@@ -108,11 +109,13 @@ def place_here(config: Config, world_size: int, *, xla: bool) -> HostPlacement:
     """A one-machine launch with ``max_restarts``: its ``world_size`` workers under one
     nbaccel agent on this machine, whose torch elastic restarts them after a failure."""
     why = "restarts the workers through torch elastic, which cannot restart them"
-    _check_elastic_fits(config, xla, f"max_restarts={config.max_restarts}", why)
+    _check_elastic_fits(config, xla, "max_restarts", f"max_restarts={config.max_restarts}", why)
     return HostPlacement(("127.0.0.1",), (world_size,), RemoteShell("local"))
 
 
-def place_machine_of_job(config: Config, gpus: int, source: str) -> HostPlacement:
+def place_machine_of_job(
+    config: Config, gpus: int, env: Mapping[str, str], source: str
+) -> HostPlacement:
     """This machine's share of a job whose every machine runs the same cell (Accelerate's
     ``num_nodes=N, node_rank=R``; ``num_machines``/``machine_rank``): one agent here, whose
     torch elastic meets the other machines' in the static rendezvous at main_process_ip:
@@ -120,21 +123,21 @@ def place_machine_of_job(config: Config, gpus: int, source: str) -> HostPlacemen
     ``source``: where num_machines came from, for the errors."""
     why = "joins the machines of a job through torch elastic, which would not start them"
     asked = f"num_machines={config.num_machines} (from {source})"
-    _check_elastic_fits(config, False, asked, why)
+    _check_elastic_fits(config, False, "num_machines", asked, why)
     per_machine = config.processes_per_machine(gpus)
-    if gpus and per_machine > gpus:
-        raise ConfigError(
-            f"num_processes={config.num_processes} over num_machines={config.num_machines} "
-            f"is {per_machine} processes on this machine, but only {gpus} GPU(s) are visible. "
-            f"Use num_processes<={gpus * config.num_machines}, or use_cpu=True.",
-            field="num_processes",
-        )
+    check_gpus_suffice(
+        per_machine,
+        gpus,
+        env,
+        asked=f"num_processes={config.num_processes} over num_machines={config.num_machines}",
+        most=gpus * config.num_machines,
+    )
     port = config.main_process_port or DEFAULT_MULTINODE_PORT
     job = JobMachine(config.num_machines, config.machine_rank, config.main_process_ip, port)
     return HostPlacement((socket.gethostname(),), (per_machine,), RemoteShell("local"), job=job)
 
 
-def _check_elastic_fits(config: Config, xla: bool, asked: str, why: str) -> None:
+def _check_elastic_fits(config: Config, xla: bool, field: str, asked: str, why: str) -> None:
     clash = (
         ("detach", config.detach, "a detached run's supervisor starts its workers itself"),
         ("strategy", xla, "torch_xla starts its workers itself"),
@@ -145,7 +148,7 @@ def _check_elastic_fits(config: Config, xla: bool, asked: str, why: str) -> None
                 f"{asked} {why}, but {name}={getattr(config, name)!r} asks for a launch "
                 f"where {where}. Drop one of the two settings (a run resumes with "
                 "Accelerator.load_state in a new launch).",
-                field=asked.split("=")[0],
+                field=field,
             )
 
 

@@ -233,8 +233,10 @@ class RunPump:
                 r.result, r.has_result = message.value, True
                 with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:
                     file.write(message.value)
-            case Rank0Value():
+            case Rank0Value():  # kept as rank 0's own is, for a later reader of the folder
                 self._rank0_value = message.value
+                with private_file(self.run_dir / "result-rank0.pkl", "wb") as file:
+                    file.write(message.value)
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own

@@ -162,31 +162,25 @@ class RemoteHosts:
         return "\n".join(lines[-STDERR_TAIL_LINES:])
 
     def _start_message(self, index: int, port: int | None) -> dict[str, Any]:
-        message = {
+        return {
             **self._start,
             "op": "start",
             "payload": self._payload,
-            "nnodes": len(self.hosts),
             "nproc": self.shares[index],
+            # Another machine: its workers report their memory, named after this host.
+            "memory_host": None if self.local else self.hosts[index],
+            **(_job_rendezvous(self.job) if self.job else self._hosts_rendezvous(index, port)),
+        }
+
+    def _hosts_rendezvous(self, index: int, port: int | None) -> dict[str, Any]:
+        """The machines of ``hosts=``: c10d's rendezvous, served by the first host's agent."""
+        return {
+            "nnodes": len(self.hosts),
             "node_rank": index,
             "local_addr": self.hosts[index],
             "endpoint_host": self.hosts[0],
             "endpoint_port": port,
-            # Another machine: its workers report their memory, named after this host.
-            "memory_host": None if self.local else self.hosts[index],
         }
-        if self.job is not None:  # the other machines' kernels start theirs
-            message.update(
-                nnodes=self.job.machines,
-                node_rank=self.job.machine_rank,
-                local_addr=None,  # elastic takes this host's name, as torchrun does
-                endpoint_host=self.job.address,
-                endpoint_port=self.job.port,
-                rendezvous="static",
-                job=self.job.job_id,
-                share_rank0=True,
-            )
-        return message
 
     def _send(self, index: int, message: dict[str, Any]) -> None:
         stdin = self._agents[index].stdin
@@ -292,3 +286,18 @@ def _close_quietly(stream: IO[bytes] | None) -> None:
 
 def _safe(host: str) -> str:
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in host)
+
+
+def _job_rendezvous(job: JobMachine) -> dict[str, Any]:
+    """One machine of a job whose other machines' kernels start theirs: the static
+    rendezvous at the job's address, where machine_rank decides the ranks."""
+    return {
+        "nnodes": job.machines,
+        "node_rank": job.machine_rank,
+        "local_addr": None,  # elastic takes this host's name, as torchrun does
+        "endpoint_host": job.address,
+        "endpoint_port": job.port,
+        "rendezvous": "static",
+        "job": job.job_id,
+        "share_rank0": True,
+    }

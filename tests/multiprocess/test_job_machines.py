@@ -23,7 +23,7 @@ import pytest
 import nbaccel
 
 MACHINE = """
-import json, sys
+import json, pickle, sys
 import nbaccel
 
 
@@ -59,6 +59,7 @@ print(json.dumps({{
     "results": {{str(k): v for k, v in run.results().items()}},
     "own_log": run.logs({machine}),
     "other_logs": other_logs,
+    "rank0_saved": pickle.loads((run.run_dir / "result-rank0.pkl").read_bytes()),
 }}))
 """
 
@@ -103,6 +104,7 @@ def test_each_machine_runs_and_shows_its_own_ranks_and_gets_rank_0s_value(
         report = json.loads(out.strip().splitlines()[-1])
         assert report["state"] == "succeeded" and report["ranks"] == [machine], report
         assert report["result"] == 0, report  # rank 0's value, on both machines
+        assert report["rank0_saved"] == 0, report  # and in each machine's run folder
         assert report["results"] == {str(machine): machine}, report
         assert f"rank {machine} says 3" in report["own_log"], report
         assert report["other_logs"] == (

@@ -111,3 +111,28 @@ def test_signature_check_passes_what_binds() -> None:
     expected = r"train\(lr, epochs=1\) cannot be called with 0 positional .* keyword\(s\) 'epochs'"
     with pytest.raises(TypeError, match=expected):
         checks.check_signature(train, (), {"epochs": 3})
+
+
+def test_a_machine_of_a_job_with_more_processes_than_gpus(
+    nothing_started: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Accelerate's per-node form counts num_processes per machine: 3 here, over 2 GPUs.
+    monkeypatch.setattr(api, "visible_gpu_count", lambda env: 2)
+    with pytest.raises(nbaccel.ConfigError) as caught:
+        nbaccel.notebook_launcher(train, (0.1,), num_processes=3, num_nodes=2, node_rank=0)
+    assert caught.value.field == "num_processes"
+    assert "asks for 3 process(es) on this machine, but only 2 GPU(s)" in str(caught.value)
+    assert "Use num_processes<=4" in str(caught.value)  # over all machines, as it now means
+
+
+def test_elastic_clash_names_the_field_that_asked(nothing_started: Path) -> None:
+    with pytest.raises(nbaccel.ConfigError) as caught:
+        nbaccel.launch(
+            train,
+            args=(0.1,),
+            num_processes=2,
+            max_restarts=1,
+            detach=True,
+            runs_dir=str(nothing_started),
+        )
+    assert caught.value.field == "max_restarts"
