@@ -36,10 +36,10 @@ therefore runs nbaccel's first launch in three fresh drivers (scenarios):
   ready and whole are counted from the start of the ``import nbaccel`` statement.
 
 A driver is not a kernel, so it calls ``prewarm(os.environ, in_kernel=True)`` right after
-``import nbaccel``: the function the import calls in a kernel, with the kernel check answered
-(no fake IPython, no switch in the product). It runs after the whole import, where a kernel
-runs it part-way through (after ``nbaccel.config.resolve``): the drivers start the helper
-slightly later than a kernel would, which can only make "at import" slower.
+``import nbaccel`` and then imports ``nbaccel.launching``: what the import does in a kernel,
+with the kernel check answered (no fake IPython, no switch in the product). Outside a kernel
+``import nbaccel`` loads its names on first use, so the cold driver's launch loads the launch
+path itself, as a script's does.
 
 Reading the output
 ------------------

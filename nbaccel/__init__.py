@@ -11,22 +11,9 @@ only the worker processes load torch.
 2
 """
 
-# ruff: noqa: E402 - the helper is started before the rest of nbaccel is imported (below)
 import os as _os
 from typing import TYPE_CHECKING, Any
 
-from nbaccel.launcher.prewarm import prewarm as _prewarm
-from nbaccel.ui.kernel import in_kernel as _in_kernel
-
-# In a Jupyter kernel, start the helper process now, in the background (NBACCEL_PREWARM=0:
-# not at all; a script: never): it imports torch while the user writes the next cells, so
-# the first launch costs what a later one does. Before the imports below: ~0.1-0.2 s sooner.
-_prewarm(_os.environ, in_kernel=_in_kernel())
-
-from nbaccel.config.resolve import resolve
-from nbaccel.config.schema import Config
-from nbaccel.context import ProcessContext, active_session
-from nbaccel.detached_runs import attach, runs
 from nbaccel.errors import (
     CollectiveTimeout,
     ConfigError,
@@ -36,12 +23,19 @@ from nbaccel.errors import (
     SerializationError,
     WorkerError,
 )
-from nbaccel.events import RunState
-from nbaccel.launcher.run import Run
-from nbaccel.launching import debug_launcher, launch, notebook_launcher
-from nbaccel.metrics import log_metrics
+from nbaccel.launcher.prewarm import prewarm as _prewarm
+from nbaccel.ui.kernel import in_kernel as _in_kernel
 
-if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel never imports torch
+# In a Jupyter kernel, start the helper process now, in the background (NBACCEL_PREWARM=0:
+# not at all; a script: never): it imports torch while the user writes the next cells, so
+# the first launch costs what a later one does. Then the launch path is loaded here, off the
+# helper's way, which a kernel is about to take. Elsewhere, names load on first use (below):
+# the helper's and every worker's interpreter import this package first, and each module
+# imported here would delay their ``import torch`` (~0.05-0.1 s for the launch path).
+if _prewarm(_os.environ, in_kernel=_in_kernel()) is not None:
+    import nbaccel.launching as _launch_path  # noqa: F401 - loaded now, used later
+
+if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.accel import Accelerator, DistributedType
     from nbaccel.accel.partial_state import AcceleratorState, PartialState
     from nbaccel.accel.refusals import (
@@ -66,17 +60,38 @@ if TYPE_CHECKING:  # the worker-side API; loaded on first use so the kernel neve
         ProfileKwargs,
     )
     from nbaccel.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from nbaccel.config.resolve import resolve
+    from nbaccel.config.schema import Config
+    from nbaccel.context import ProcessContext, active_session
+    from nbaccel.detached_runs import attach, runs
+    from nbaccel.events import RunState
+    from nbaccel.launcher.run import Run
+    from nbaccel.launching import debug_launcher, launch, notebook_launcher
+    from nbaccel.metrics import log_metrics
     from nbaccel.ui.config_panel import ConfigPanel  # ipywidgets: loaded on first use too
     from nbaccel.utils.availability import is_rich_available
     from nbaccel.utils.memory import find_executable_batch_size
     from nbaccel.utils.modeling import init_empty_weights, init_on_device
     from nbaccel.utils.random import synchronize_rng_states
 
-# The worker-side names (they import torch), by the module that defines each: loaded on
-# first use, so ``import nbaccel`` in the kernel stays torch-free.
-_WORKER_SIDE = {
+# Every public name but the errors, by the module that defines it, loaded on first use
+# (PEP 562). The worker-side ones import torch: ``import nbaccel`` in the kernel stays
+# torch-free. Accelerate's top-level config objects are torch-free, loaded so all the same.
+_LAZY = {
+    "Config": "nbaccel.config.schema",
+    "ConfigPanel": "nbaccel.ui.config_panel",  # ipywidgets
+    "ProcessContext": "nbaccel.context",
+    "Run": "nbaccel.launcher.run",
+    "RunState": "nbaccel.events",
+    "active_session": "nbaccel.context",
+    "attach": "nbaccel.detached_runs",
+    "debug_launcher": "nbaccel.launching",
+    "launch": "nbaccel.launching",
+    "log_metrics": "nbaccel.metrics",
+    "notebook_launcher": "nbaccel.launching",
+    "resolve": "nbaccel.config.resolve",
+    "runs": "nbaccel.detached_runs",
     "Accelerator": "nbaccel.accel",
-    # Accelerate's top-level config objects: torch-free, loaded on first use all the same.
     "AutocastKwargs": "nbaccel.config.kwargs_handlers",
     "DDPCommunicationHookType": "nbaccel.config.kwargs_handlers",
     "DataLoaderConfiguration": "nbaccel.config.accelerator_configs",
@@ -109,15 +124,13 @@ _WORKER_SIDE = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WORKER_SIDE:
-        import importlib
+    if name not in _LAZY:
+        raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
+    import importlib
 
-        return getattr(importlib.import_module(_WORKER_SIDE[name]), name)
-    if name == "ConfigPanel":
-        import nbaccel.ui.config_panel
-
-        return nbaccel.ui.config_panel.ConfigPanel
-    raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
 
 __all__ = [

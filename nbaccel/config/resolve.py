@@ -30,13 +30,10 @@ from nbaccel.config.schema import (
     parse_text,
     sections,
 )
+from nbaccel.env_names import NON_OPTION_VARS
 from nbaccel.errors import ConfigError
 
 ENV_PREFIX = "NBACCEL_"
-# Whether ``import nbaccel`` in a Jupyter kernel starts the helper process at once (read by
-# nbaccel.launcher.prewarm; not a launch option, so no Config field).
-PREWARM_VAR = "NBACCEL_PREWARM"
-NON_OPTION_VARS = frozenset({"NBACCEL_CONFIG", "NBACCEL_HOME", PREWARM_VAR})
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nbaccel.config.resolve import PREWARM_VAR
+from nbaccel.env_names import PREWARM_VAR
 from nbaccel.errors import HelperError
 from nbaccel.launcher import control
 from nbaccel.launcher.starter import StarterListener

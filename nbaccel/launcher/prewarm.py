@@ -7,7 +7,7 @@ spares forked and the Accelerator preloaded) and costs what a later one does.
 
 Only in a kernel: a plain script launches right after its imports, has nothing to gain and
 should not get a process it did not ask for. ``NBACCEL_PREWARM=0`` turns it off (the one
-environment variable read at import; the name lives in ``nbaccel.config.resolve``).
+environment variable read at import; the name lives in ``nbaccel.env_names``).
 Whether this runs in a kernel is decided above the launcher (``nbaccel/__init__.py`` asks
 ``nbaccel.ui.kernel``); this module only reads the variable and starts the helper.
 
@@ -24,7 +24,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 
-from nbaccel.config.resolve import PREWARM_VAR
+from nbaccel.env_names import PREWARM_VAR
 from nbaccel.launcher.helper import HELPER_START_TIMEOUT_S, shared_helper
 
 # The words nbaccel's boolean options take (nbaccel.config.field_values.parse_text).

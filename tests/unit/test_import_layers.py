@@ -5,7 +5,7 @@
                    and the worker-side facades of Accelerate's modules: nbaccel.utils,
                    nbaccel.logging (they may import nbaccel.accel; nothing imports them)
     sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
-    base           nbaccel.config, errors, events, context, devices, xla_plan, metrics,
+    base           nbaccel.config, errors, events, context, devices, env_names, xla_plan, metrics,
                    memory_estimate: plain data, importing no side and no entry point
 
 Every import counts, also those inside functions (a lazy import is still a dependency).
@@ -40,6 +40,7 @@ BASE = (
     "nbaccel.events",
     "nbaccel.context",
     "nbaccel.devices",
+    "nbaccel.env_names",
     "nbaccel.xla_plan",
     "nbaccel.metrics",
     "nbaccel.memory_estimate",

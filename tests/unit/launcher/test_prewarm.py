@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from nbaccel.config.resolve import PREWARM_VAR, resolve
+from nbaccel.config.resolve import resolve
+from nbaccel.env_names import PREWARM_VAR
 from nbaccel.errors import HelperError
 from nbaccel.launcher import control, helper, prewarm
 from nbaccel.launcher.helper_main import Helper
@@ -85,8 +86,11 @@ shell = ZMQInteractiveShell()
 sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: shell)
 """
 _REPORT = """
-import json, threading, psutil, nbaccel.ui.kernel
+import json, sys, threading, psutil, nbaccel.ui.kernel
+watched = ("nbaccel.launching", "nbaccel.config.schema", "yaml")
 print(json.dumps({
+    "loaded": sorted(m for m in watched if m in sys.modules),
+    "launch": nbaccel.launch.__module__,
     "in_kernel": nbaccel.ui.kernel.in_kernel(),
     "threads": [t.name for t in threading.enumerate()],
     "children": [p.pid for p in psutil.Process().children(recursive=True)],
@@ -121,6 +125,21 @@ def test_import_nbaccel_in_a_kernel_with_nbaccel_prewarm_0_starts_nothing() -> N
     report = _import_nbaccel(kernel=True, prewarm_value="0")
     assert "nbaccel-prewarm" not in report["threads"]
     assert report["children"] == []
+
+
+@pytest.mark.parametrize(("kernel", "prewarm_value"), [(False, "1"), (True, "0"), (True, "1")])
+def test_import_nbaccel_loads_the_launch_path_only_where_it_prewarms(
+    kernel: bool, prewarm_value: str
+) -> None:
+    # The helper's and every worker's interpreter import the package first: what it loads
+    # delays their import torch. A kernel that prewarms is about to launch: it loads the
+    # launch path at once, while the helper imports torch. Either way the names work.
+    report = _import_nbaccel(kernel=kernel, prewarm_value=prewarm_value)
+    prewarmed = kernel and prewarm_value == "1"
+    assert report["loaded"] == (
+        ["nbaccel.config.schema", "nbaccel.launching", "yaml"] if prewarmed else []
+    )
+    assert report["launch"] == "nbaccel.launching"
 
 
 @pytest.fixture
@@ -208,7 +227,7 @@ def test_the_prewarm_module_imports_nothing_of_the_launch_path() -> None:
         "sys",
         "threading",
         "warnings",
-        "nbaccel.config.resolve",
+        "nbaccel.env_names",
         "nbaccel.launcher.helper",
     }
 
