@@ -21,7 +21,7 @@ from nbaccel.events import (
     SettingsApplied,
     StepBreakdown,
 )
-from nbaccel.metrics import StepBoard
+from nbaccel.step_board import StepBoard
 
 
 class TextPrinter:

@@ -5,7 +5,7 @@ One row per rank: its mean step time over the last few seconds, a bar stacked by
 samples/s (and tokens/s when batches carry ``input_ids``), and the peak memory of the
 phase that peaked highest where the device reports it (CUDA). Below, the throughput of all
 ranks together and, when ranks drift apart, the slowest one named
-(``nbaccel.metrics.StepBoard.straggler``). Plain HTML in one ``ipywidgets.HTML``: no image
+(``nbaccel.step_board.StepBoard.straggler``). Plain HTML in one ``ipywidgets.HTML``: no image
 to render, so it follows the dashboard's text updates (4 Hz) at no cost worth measuring.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 
 from nbaccel.events import Event, StepBreakdown
-from nbaccel.metrics import PHASES, STRAGGLER_THRESHOLD, StepBoard
+from nbaccel.step_board import PHASES, STRAGGLER_THRESHOLD, StepBoard
 
 COLOURS = {
     "data": "#f2a541",

@@ -17,7 +17,7 @@ import pytest
 
 import nbaccel
 from nbaccel.events import StepBreakdown
-from nbaccel.metrics import PHASES, StepBoard
+from nbaccel.step_board import PHASES, StepBoard
 
 pytestmark = pytest.mark.timeout(240)
 

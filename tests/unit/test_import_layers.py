@@ -43,6 +43,7 @@ BASE = (
     "nbaccel.env_names",
     "nbaccel.xla_plan",
     "nbaccel.metrics",
+    "nbaccel.step_board",
     "nbaccel.memory_estimate",
 )
 # Worker-side modules of the launcher: they run in the workers (forked from the helper),

@@ -20,7 +20,7 @@ from nbaccel.accel.step_timing import (
     disabled_timer,
 )
 from nbaccel.events import StepBreakdown
-from nbaccel.metrics import StepBoard, Straggler
+from nbaccel.step_board import StepBoard, Straggler
 
 
 class FakeClock:
