@@ -133,6 +133,11 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+def __dir__() -> list[str]:
+    # Tab completion in a notebook lists the names not loaded yet too.
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "Accelerator",
     "AcceleratorState",
