@@ -21,7 +21,7 @@ With ``max_restarts`` (elastic restarts every worker after a failure), any ``sig
 the kernel means the run is ending: later workers leave at once (the stop pipe), and a
 SIGKILL ends this host outright, since elastic would otherwise restart what it killed.
 
-The workers are torch elastic's (``LocalElasticAgent`` via ``elastic_launch``, c10d
+The workers are torch elastic's (``LocalElasticAgent`` via ``elastic_launch``, static or c10d
 rendezvous, fork start method): nbaccel adds no rendezvous of its own. A worker reaches the
 agent through a Unix socket in the abstract namespace with a random name, checked with
 ``SO_PEERCRED`` (``agent_worker.py``). The protocol goes out on a private copy of fd 1;

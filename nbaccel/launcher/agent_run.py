@@ -1,10 +1,10 @@
 """One host's share of a several-machine launch, run by torch elastic (``agent_main.py``).
 
-``run_host`` hands torch elastic (``elastic_launch``: ``LocalElasticAgent``, c10d
-rendezvous) this host's workers: ``nproc`` forks of the agent running
-``agent_worker.run_elastic_worker``. Node 0 hosts the rendezvous store on the port it
-picked (``pick_port``); every node joins it at ``host0:port``. torch is imported here, in
-the agent: never in the kernel.
+``run_host`` hands torch elastic (``elastic_launch``: ``LocalElasticAgent``; the static
+rendezvous, or c10d's where elastic restarts workers) this host's workers: ``nproc`` forks of
+the agent running ``agent_worker.run_elastic_worker``. Node 0 hosts the rendezvous store on
+the port it picked (``pick_port``); every node joins it at ``host0:port``. torch is imported
+here, in the agent: never in the kernel.
 
 A one-machine run (one node on a loopback address: ``hosts_launch.place_here``) listens on
 loopback only, as every one-machine run does. elastic's c10d TCPStores would listen on every
@@ -124,8 +124,9 @@ def run_host(
         rdzv_configs["is_host"] = start["node_rank"] == 0
     backend = start.get("rendezvous", "c10d")
     if backend == "static":
-        # A machine of a job whose machines each launch from their own kernel: torch's
-        # static rendezvous, where node_rank (not the order of arrival) places the machine.
+        # Launches without restarts: torch's static rendezvous, where node_rank (not the
+        # order of arrival) places the machine. A job whose machines each launch from their
+        # own kernel, or the hosts of hosts= (their order in the list).
         rdzv_configs = {"rank": start["node_rank"], "timeout": start["join_timeout"]}
     config = LaunchConfig(
         min_nodes=start["nnodes"],
@@ -155,7 +156,7 @@ def run_host(
     except ChildFailedError as error:
         return False, {int(rank): failure.exitcode for rank, failure in error.failures.items()}
     except DistError as error:  # the static rendezvous: machine 0's store, or reaching it
-        if backend != "static":
+        if "job" not in start:  # hosts=: the kernel names the host and shows the traceback
             raise
         raise JobNotFormed(_not_formed(start, error)) from error
     finally:

@@ -173,13 +173,17 @@ class RemoteHosts:
         }
 
     def _hosts_rendezvous(self, index: int, port: int | None) -> dict[str, Any]:
-        """The machines of ``hosts=``: c10d's rendezvous, served by the first host's agent."""
+        """The machines of ``hosts=``, met at the first host's agent. Without restarts, in
+        torch's static rendezvous: each host's place is its index, known here, so the agents
+        connect to one store and go (c10d's join polls once a second: ~1 s a launch). With
+        ``max_restarts``, in c10d's, whose rounds let elastic restart every host's workers."""
         return {
             "nnodes": len(self.hosts),
             "node_rank": index,
             "local_addr": self.hosts[index],
             "endpoint_host": self.hosts[0],
             "endpoint_port": port,
+            "rendezvous": "c10d" if self._start.get("max_restarts") else "static",
         }
 
     def _send(self, index: int, message: dict[str, Any]) -> None:
