@@ -26,15 +26,6 @@ from nbaccel.errors import (
 from nbaccel.launcher.prewarm import prewarm as _prewarm
 from nbaccel.ui.kernel import in_kernel as _in_kernel
 
-# In a Jupyter kernel, start the helper process now, in the background (NBACCEL_PREWARM=0:
-# not at all; a script: never): it imports torch while the user writes the next cells, so
-# the first launch costs what a later one does. Then the launch path is loaded here, off the
-# helper's way, which a kernel is about to take. Elsewhere, names load on first use (below):
-# the helper's and every worker's interpreter import this package first, and each module
-# imported here would delay their ``import torch`` (~0.05-0.1 s for the launch path).
-if _prewarm(_os.environ, in_kernel=_in_kernel()) is not None:
-    import nbaccel.launching as _launch_path  # noqa: F401 - loaded now, used later
-
 if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.accel import Accelerator, DistributedType
     from nbaccel.accel.partial_state import AcceleratorState, PartialState
@@ -189,3 +180,13 @@ __all__ = [
     "synchronize_rng_states",
 ]
 __version__ = "0.1.0"
+
+# In a Jupyter kernel, start the helper process now, in the background (NBACCEL_PREWARM=0:
+# not at all; a script: never): it imports torch while the user writes the next cells, so
+# the first launch costs what a later one does. Then load the launch path, off the helper's
+# way, since a launch is coming. Last in this file, so that every name above is defined
+# when the launch path's modules import this package. Elsewhere names load on first use:
+# the helper's and every worker's interpreter import this package first, and each module
+# imported here would delay their ``import torch`` (~0.05-0.1 s for the launch path).
+if _prewarm(_os.environ, in_kernel=_in_kernel()) is not None:
+    import nbaccel.launching as _launch_path  # noqa: F401 - loaded now, used later
