@@ -10,7 +10,6 @@ rank logs, ``result-rank<N>.pkl`` and ``error.pkl``. Results stay readable after
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import socket
 import threading
@@ -49,9 +48,6 @@ class AttachedRun(Run):
     def __init__(self, run_dir: Path) -> None:
         record = read_record(run_dir)
         super().__init__(run_dir.name, run_dir, read_config(run_dir), record["world_size"])
-        os.close(self._wake_read)  # Run's pump machinery is not used: events come to us
-        os.close(self._wake_write)
-        self._wake_read = self._wake_write = -1
         self._record_info = record
         self._pids: dict[int, int] = {}
         self._exits: dict[int, int] = {}

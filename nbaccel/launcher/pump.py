@@ -136,7 +136,7 @@ class RunPump:
         """Hand a message to the pump thread (from the helper reader or the user's thread)."""
         with self._wake_lock:
             if self._wake_write == -1:
-                return  # the run has ended
+                return  # the run has ended (or was never started)
             self._inbox.put(message)
             try:
                 os.write(self._wake_write, b"\0")

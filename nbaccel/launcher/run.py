@@ -67,8 +67,9 @@ class Run(RunPump):
         self._records_lock = threading.Lock()
         self._done = threading.Event()
         self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_write, False)
+        # The pump thread's wake-up pipe: made by start(), closed when the run ends. A run
+        # that is never started (an error before its workers, an attached run) has none.
+        self._wake_read = self._wake_write = -1
         self._wake_lock = threading.Lock()
         self._ranks: dict[int, RankPipes] = {}
         self._rank0_value: bytes | None = None
@@ -184,6 +185,9 @@ class Run(RunPump):
         listen_fd: int | None,
     ) -> None:
         self._helper = helper
+        with self._wake_lock:
+            self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
         # Block-buffered, flushed once per pump wake-up: a write call per line cost ~40 us of
         # parent CPU per metric, taken from the workers on a small machine.
         self._events_file = private_file(self.run_dir / "events.jsonl", "a")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +66,12 @@ def test_a_worker_cannot_speak_for_another_rank(tmp_path: Path) -> None:
     run._on_worker_message(pipes, {"kind": "metric", "step": 8})  # not nbaccel's: ignored
     assert [(e.rank, e.step) for e in seen] == [(1, 7)]
     assert run.metrics == []  # rank 0's curve is rank 0's alone
+
+
+def test_a_run_that_is_never_started_holds_no_file_descriptor(tmp_path: Path) -> None:
+    # An error between the Run and its start (a host that fails, a display that raises)
+    # leaves nothing open; an attached run never starts one: its events come to it.
+    before = set(os.listdir("/proc/self/fd"))
+    runs = [Run("r", tmp_path, Config(), world_size=2) for _ in range(3)]
+    assert set(os.listdir("/proc/self/fd")) == before
+    assert all(run._wake_read == run._wake_write == -1 for run in runs)
