@@ -22,6 +22,7 @@ import nbaccel
 from nbaccel.config.files import accelerate_default_file, default_file, nbaccel_default_file
 from nbaccel.config.schema import Config
 from nbaccel.devices import TPUInfo, detect_tpu, usable_cpu_cores, visible_gpu_count
+from nbaccel.env_names import CONFIG_FILE_VAR
 from nbaccel.errors import ConfigError
 from nbaccel.xla_plan import check_versions, plan_xla, uses_xla
 
@@ -58,7 +59,7 @@ def collect_report(env: Mapping[str, str], root: Path = Path("/")) -> dict[str, 
             "of torch to use them."
         )
     backends = (["gloo"] if torch else []) + (["nccl"] if torch and gpus and not cpu_build else [])
-    named = env.get("NBACCEL_CONFIG")
+    named = env.get(CONFIG_FILE_VAR)
     return {
         "nbaccel": nbaccel.__version__,
         "python": {
@@ -82,7 +83,7 @@ def collect_report(env: Mapping[str, str], root: Path = Path("/")) -> dict[str, 
         "config_files": {
             "nbaccel default": _file(nbaccel_default_file(env)),
             "Accelerate default": _file(accelerate_default_file(env)),
-            "NBACCEL_CONFIG": _file(Path(named)) if named else {"path": None, "status": "not set"},
+            CONFIG_FILE_VAR: _file(Path(named)) if named else {"path": None, "status": "not set"},
             "read by default": str(default_file(env) or "") or None,
         },
         "environment": {

@@ -14,6 +14,7 @@ from typing import Any
 
 from nbaccel.config.accelerate_compat import from_accelerate_yaml, looks_like_accelerate
 from nbaccel.config.schema import Config, check_names, flatten, options, sections
+from nbaccel.env_names import HOME_VAR
 from nbaccel.errors import ConfigError
 
 DEFAULT_NAME = "default_config.yaml"
@@ -25,8 +26,8 @@ def nbaccel_default_file(env: Mapping[str, str]) -> Path:
     >>> nbaccel_default_file({"HOME": "/home/ada"})
     PosixPath('/home/ada/.config/nbaccel/default_config.yaml')
     """
-    if env.get("NBACCEL_HOME"):
-        return Path(env["NBACCEL_HOME"]) / DEFAULT_NAME
+    if env.get(HOME_VAR):
+        return Path(env[HOME_VAR]) / DEFAULT_NAME
     base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", "~")) / ".config")
     return Path(base).expanduser() / "nbaccel" / DEFAULT_NAME
 
@@ -51,7 +52,7 @@ def default_file(env: Mapping[str, str]) -> Path | None:
     Only the given environment says where home is: without HOME (or an override) there is
     no default file, so ``resolve(env={})`` never reads the real home folder.
     """
-    if not any(env.get(k) for k in ("HOME", "NBACCEL_HOME", "XDG_CONFIG_HOME", "HF_HOME")):
+    if not any(env.get(k) for k in ("HOME", HOME_VAR, "XDG_CONFIG_HOME", "HF_HOME")):
         return None
     for path in (nbaccel_default_file(env), accelerate_default_file(env)):
         if path.is_file():

@@ -30,7 +30,7 @@ from nbaccel.config.schema import (
     parse_text,
     sections,
 )
-from nbaccel.env_names import NON_OPTION_VARS
+from nbaccel.env_names import CONFIG_FILE_VAR, NON_OPTION_VARS
 from nbaccel.errors import ConfigError
 
 ENV_PREFIX = "NBACCEL_"
@@ -104,7 +104,7 @@ def resolve(
     take(dict(defaults or {}), "default")
     if use_default_file and (path := default_file(env)) is not None:
         take(load_file(path), f"file:{path}")
-    named = config if isinstance(config, (str, Path)) else env.get("NBACCEL_CONFIG")
+    named = config if isinstance(config, (str, Path)) else env.get(CONFIG_FILE_VAR)
     if named:
         take(load_file(Path(named)), f"file:{named}")
     env_values, env_sources = _env_layer(env)

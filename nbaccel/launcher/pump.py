@@ -231,16 +231,18 @@ class RunPump:
                 self._emit(message)
             case ResultReady():
                 r.result, r.has_result = message.value, True
-                with private_file(self.run_dir / f"result-rank{r.rank}.pkl", "wb") as file:
-                    file.write(message.value)
-            case Rank0Value():  # kept as rank 0's own is, for a later reader of the folder
+                self._keep_result(r.rank, message.value)
+            case Rank0Value():  # rank 0 ran on another machine: kept as its own value is
                 self._rank0_value = message.value
-                with private_file(self.run_dir / "result-rank0.pkl", "wb") as file:
-                    file.write(message.value)
+                self._keep_result(0, message.value)
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own
                 self._emit(message)
+
+    def _keep_result(self, rank: int, value: bytes) -> None:
+        with private_file(self.run_dir / f"result-rank{rank}.pkl", "wb") as file:
+            file.write(value)
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]
