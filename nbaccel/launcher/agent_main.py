@@ -4,22 +4,29 @@ The kernel starts one per host over SSH (or ``srun``) and talks to it through th
 command's stdin and stdout only: nothing of nbaccel listens on the network, and only what
 the kernel's channel says is obeyed. Frames both ways are ``events.encode_frame`` dicts.
 
-Kernel -> agent: ``start`` (the launch: payload, this host's share, the rendezvous), then
-``signal`` (to some or all ranks). End of stdin means stop: every worker of this host is
-killed and the agent leaves, so a kernel that dies, or an SSH connection that drops, takes
-every host's processes down.
+An agent serves one launch after another (the kernel keeps it between launches, as it keeps
+its local helper: ``agent_link.AgentPool``), so torch is imported and the SSH connection
+made once. Each launch gets the agent's own environment and folder back before its ``env``
+and ``cwd`` apply, and a fresh socket for its workers.
 
-Agent -> kernel: ``agent`` (ready: pid, versions), ``endpoint`` (node 0: the rendezvous port
-it picked), ``worker`` (a worker of some attempt said hello: rank, pid, attempt; before any
-of its bytes), ``log``/``events`` (a rank's raw bytes, forwarded in order; events in whole
-frames only, so a worker killed mid-frame leaves nothing half-written for the next attempt's
-worker of that rank), ``ended`` (one worker process ended: rank, attempt, exit status, after
-its last bytes), ``exited`` (a rank's final exit code, once elastic is done), ``done`` (the
-agent leaves) and ``failed`` (the agent itself broke: its traceback).
+Kernel -> agent: ``start`` (a launch: payload, this host's share, the rendezvous), then
+``signal`` (to some or all ranks of the launch in progress). End of stdin means stop: every
+worker of this host is killed and the agent leaves, so a kernel that dies, or an SSH
+connection that drops, takes every host's processes down, idle agents included.
+
+Agent -> kernel: ``agent`` (ready: pid, versions; once), ``endpoint`` (node 0: the rendezvous
+port it picked), ``worker`` (a worker of some attempt said hello: rank, pid, attempt; before
+any of its bytes), ``log``/``events`` (a rank's raw bytes, forwarded in order; events in
+whole frames only, so a worker killed mid-frame leaves nothing half-written for the next
+attempt's worker of that rank), ``ended`` (one worker process ended: rank, attempt, exit
+status, after its last bytes), ``exited`` (a rank's final exit code, once elastic is done),
+``done`` (the launch is over; ``stays``: whether the agent waits for the next) and
+``failed`` (the agent itself broke: its traceback; it leaves).
 
 With ``max_restarts`` (elastic restarts every worker after a failure), any ``signal`` from
 the kernel means the run is ending: later workers leave at once (the stop pipe), and a
-SIGKILL ends this host outright, since elastic would otherwise restart what it killed.
+SIGKILL ends this host outright (the agent leaves too), since elastic would otherwise
+restart what it killed.
 
 The workers are torch elastic's (``LocalElasticAgent`` via ``elastic_launch``, static or c10d
 rendezvous, fork start method): nbaccel adds no rendezvous of its own. A worker reaches the
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import secrets
 import signal
 import socket
@@ -105,9 +113,10 @@ class WorkerLinks:
                 self._stopping = True
                 os.write(self._stop_write, b"\0")
 
-    def finish(self, statuses: dict[int, int], otherwise: int) -> bool:
+    def finish(self, statuses: dict[int, int], otherwise: int, *, stays: bool = True) -> bool:
         """Report every rank's exit (its status in ``statuses``, else ``otherwise``) and
-        ``done``, once: False when that was already done (elastic's end and a kill cross)."""
+        ``done``, once: False when that was already done (elastic's end and a kill cross).
+        ``stays``: whether this agent then waits for the kernel's next launch."""
         with self._lock:
             if self._finished:
                 return False
@@ -116,8 +125,18 @@ class WorkerLinks:
             self.wait_forwarded(rank, DRAIN_TIMEOUT)
             status = statuses.get(rank, otherwise)
             self._channel.send({"op": "exited", "rank": rank, "status": status})
-        self._channel.send({"op": "done"})
+        self._channel.send({"op": "done", "stays": stays})
         return True
+
+    def close(self) -> None:
+        """The launch is over: no more workers connect, and its stop pipe goes."""
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (Linux)
+        except OSError:
+            pass
+        self._server.close()
+        os.close(self.stop_read)
+        os.close(self._stop_write)
 
     def signal(self, signum: int, ranks: list[int] | None) -> None:
         with self._lock:
@@ -238,61 +257,97 @@ def _signal_group(pid: int, signum: int) -> None:
         pass
 
 
-_links: WorkerLinks | None = None
+# The launch in progress, if any: what a signal reaches, and a kill or the kernel's end takes
+# down. Set by the reader as a start arrives (a stop right after it is not lost), cleared by
+# the launch's end unless the next launch has already replaced it.
+_current: WorkerLinks | None = None
+_current_lock = threading.Lock()
 
 
 def _kill_everything_and_leave() -> None:
-    if _links is not None:
-        _links.kill_all()
+    links = _current
+    if links is not None:
+        links.kill_all()
     os._exit(1)
 
 
-def _follow_kernel(channel: Channel, links: WorkerLinks) -> None:
-    """Obey ``signal`` frames; at end of input (the kernel or its connection is gone), stop."""
+def _follow_kernel(
+    channel: Channel, starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]]
+) -> None:
+    """The only reader of the kernel's channel: queue each ``start``, obey ``signal`` frames
+    (for the launch in progress; a late one, between launches, is moot); at end of input
+    (the kernel or its connection is gone), stop."""
+    global _current
     while (message := channel.receive()) is not None:
-        if message.get("op") == "signal":
+        links = _current
+        if message.get("op") == "start":
+            links = WorkerLinks(channel, int(message.get("max_restarts", 0)))
+            with _current_lock:
+                _current = links
+            starts.put((message, links))
+        elif message.get("op") == "signal" and links is not None:
             signum = int(message["signal"])
             if links.max_restarts and signum != signal.SIGUSR1:  # a stack dump ends nothing
                 links.stop_restarts()
             links.signal(signum, message.get("ranks"))
             # elastic would restart what was killed (its restarts are not the kernel's to
-            # take back): end this host's share now, as elastic's end would.
+            # take back): end this host's share now, as elastic's end would, and leave.
             killed = links.max_restarts and signum == signal.SIGKILL
-            if killed and links.finish({}, -int(signal.SIGKILL)):
+            if killed and links.finish({}, -int(signal.SIGKILL), stays=False):
                 os._exit(0)
     _kill_everything_and_leave()
 
 
-def main() -> int:
-    global _links
-    channel = Channel()
-    try:
-        from nbaccel.launcher.agent_run import pick_port, run_host, versions
+def _serve_one(channel: Channel, start: dict[str, Any], links: WorkerLinks) -> None:
+    """Run one launch's share of this host to its end, and report it."""
+    global _current
+    from nbaccel.launcher.agent_run import pick_port, run_host
 
-        channel.send({"op": "agent", "pid": os.getpid(), **versions()})
-        start = channel.receive()
-        if start is None:
-            return 0
-        links = _links = WorkerLinks(channel, int(start.get("max_restarts", 0)))
+    try:
         if start["endpoint_port"] is None:  # node 0 hosts the rendezvous: pick its port
             start["endpoint_port"] = pick_port(start["local_addr"])
             channel.send({"op": "endpoint", "port": start["endpoint_port"]})
-        threading.Thread(
-            target=_follow_kernel, args=(channel, links), name="nbaccel-agent-in", daemon=True
-        ).start()
         succeeded, known = run_host(start, links.address, links.stop_read)
         # Workers elastic stopped after another failed are not in its failures.
         stopped = 0 if succeeded else -int(signal.SIGTERM)
         if not links.finish(known, stopped):
             threading.Event().wait()  # a kill is ending this host: it leaves, not us
-        return 0
+    except BaseException:
+        links.kill_all()  # the agent is breaking (the kernel hears why): nothing stays
+        raise
+    finally:
+        with _current_lock:
+            if _current is links:
+                _current = None
+        links.close()
+
+
+def _as_it_was(env: dict[str, str], cwd: str) -> None:
+    """Give the next launch the agent's own environment and folder, not the last one's."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+
+
+def main() -> int:
+    channel = Channel()
+    try:
+        from nbaccel.launcher.agent_run import versions
+
+        channel.send({"op": "agent", "pid": os.getpid(), **versions()})
+        env, cwd = dict(os.environ), os.getcwd()
+        starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]] = queue.Queue()
+        threading.Thread(
+            target=_follow_kernel, args=(channel, starts), name="nbaccel-agent-in", daemon=True
+        ).start()
+        while True:  # until the kernel's channel ends (_follow_kernel leaves for us)
+            _as_it_was(env, cwd)
+            _serve_one(channel, *starts.get())
     except BaseException as error:  # noqa: BLE001 - the kernel raises it, naming this host
         from nbaccel.launcher.agent_run import JobNotFormed
 
         said = str(error) if isinstance(error, JobNotFormed) else traceback.format_exc()
         channel.send({"op": "failed", "error": said})
-        if _links is not None:
-            _links.kill_all()
         return 1
 
 

@@ -113,7 +113,10 @@ def run_host(
     # elastic keeps a folder of per-worker error files; ours, removed at the end.
     elastic_dir = tempfile.mkdtemp(prefix="nbaccel-elastic-")
     rdzv_configs: dict[str, Any] = {"join_timeout": start["join_timeout"]}
-    if on_loopback_only(start):
+    backend = start.get("rendezvous", "c10d")
+    if on_loopback_only(start):  # one node: c10d's file store, whatever was asked (no order
+        # of machines to keep; torch's static rendezvous has no file store)
+        backend = "c10d"
         endpoint = os.path.join(elastic_dir, "rendezvous")
         rdzv_configs["store_type"] = "file"
         # torch's switch: no TCPStore of the agent's for the workers (it would listen on
@@ -122,7 +125,6 @@ def run_host(
     else:
         endpoint = f"{start['endpoint_host']}:{start['endpoint_port']}"
         rdzv_configs["is_host"] = start["node_rank"] == 0
-    backend = start.get("rendezvous", "c10d")
     if backend == "static":
         # Launches without restarts: torch's static rendezvous, where node_rank (not the
         # order of arrival) places the machine. A job whose machines each launch from their

@@ -23,6 +23,7 @@ from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.devices import loopback_interface, usable_cpu_cores
 from nbaccel.errors import ConfigError
+from nbaccel.launcher.agent_link import AGENTS
 from nbaccel.launcher.checks import check_gpus_suffice
 from nbaccel.launcher.elastic import DEFAULT_MULTINODE_PORT
 from nbaccel.launcher.hosts import processes_per_host, read_hosts
@@ -43,9 +44,7 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
     config, placement = planned.resolved.config, planned.placement
     run_dir = make_run_dir(config.runs_dir, planned.run_id)
     shell, local, job = placement.shell, placement.shell.kind == "local", placement.job
-    starter = RemoteHosts(
-        placement.hosts, placement.shares, shell.argv, shell.python, run_dir, local=local, job=job
-    )
+    starter = RemoteHosts(placement.hosts, placement.shares, shell, run_dir, local=local, job=job)
     try:
         if local and job is None:
             env = local_worker_env(config, planned)
@@ -181,5 +180,7 @@ def place_on_hosts(config: Config, env: Mapping[str, str]) -> HostPlacement:
         python=config.remote_python or sys.executable,
     )
     names = [host.name for host in hosts]
-    preflight(shell, names, timeout=PREFLIGHT_TIMEOUT, local_versions=local_versions())
+    # A host whose agent is kept from an earlier launch passed its check then.
+    unchecked = [name for name in names if not AGENTS.has_idle(shell, name)]
+    preflight(shell, unchecked, timeout=PREFLIGHT_TIMEOUT, local_versions=local_versions())
     return HostPlacement(tuple(names), tuple(shares), shell)

@@ -1,10 +1,12 @@
 """Start a run's workers on several hosts: one nbaccel agent per host, over SSH (or srun).
 
-``RemoteHosts`` is the ``WorkerStarter`` of a several-machine launch. It starts each host's
-agent (``python -m nbaccel.launcher.agent_main``) as soon as it is made, so SSH and the
-remote ``import torch`` overlap with the rest of the launch. When ``Run.start`` has asked
-for every rank, it sends node 0 its share; node 0 picks the rendezvous port and says which,
-then every other host gets its share with ``host0:port``. torch elastic does the rest.
+``RemoteHosts`` is the ``WorkerStarter`` of a several-machine launch. It takes each host's
+agent (``agent_link``: an idle one kept from an earlier launch, else a new one, whose SSH
+connection and remote ``import torch`` then overlap with the rest of the launch) as soon as
+it is made. When ``Run.start`` has asked for every rank, it sends node 0 its share; node 0
+picks the rendezvous port and says which, then every other host gets its share with
+``host0:port``. torch elastic does the rest. At the run's end the agents go back to the
+pool (``AGENTS``) for the next launch; a one-machine agent (``local=True``) is ended.
 
 Everything comes back on the agents' stdout: each rank's output and events are written
 into that rank's pipes, exactly as a local worker writes them, so the pump, the dashboard
@@ -21,31 +23,29 @@ closes them all. Stdlib only: the kernel runs this.
 
 from __future__ import annotations
 
+import functools
 import os
-import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.launcher.agent_link import AGENT_ARGV, AGENTS, AgentLink
 from nbaccel.launcher.payload import read_payload
 from nbaccel.launcher.planned import JobMachine
-from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.launcher.starter import StarterListener
 
-AGENT_ARGV = ("-m", "nbaccel.launcher.agent_main")
-AGENT_EXIT_TIMEOUT = 10.0  # after its stdin closes, an agent kills its workers and leaves
 STDERR_TAIL_LINES = 20
-
-# How to run a command on a host with stdin/stdout pipes: (host, argv) -> local argv.
-CommandFor = Callable[[str, Sequence[str]], list[str]]
+# After a run's last rank exited, how long its agents may take to say "done" (they say it
+# right after): one that does not is ended rather than kept.
+DONE_TIMEOUT = 5.0
 
 
 class RemoteHosts:
     """The agents of one launch, one per host, and the pipes of the ranks they run.
 
-    ``shares[i]``: processes on ``hosts[i]``. ``python``: the interpreter to run there.
+    ``shares[i]``: processes on ``hosts[i]``, reached through ``shell``.
     ``start`` holds what every host gets (run id, payload, env, cwd, run_dir, timeouts).
     """
 
@@ -53,8 +53,7 @@ class RemoteHosts:
         self,
         hosts: Sequence[str],
         shares: Sequence[int],
-        command_for: CommandFor,
-        python: str,
+        shell: RemoteShell,
         run_dir: Path,
         *,
         local: bool = False,
@@ -68,40 +67,38 @@ class RemoteHosts:
         self.world_size = sum(shares)
         self.run_dir = run_dir
         self.host_of_rank: dict[int, str] = {}
+        self._shell = shell
         self._listener: StarterListener | None = None
         self._run_id = ""
         self._lock = threading.Lock()
         self._pipes: dict[int, tuple[int, int]] = {}  # rank -> (log fd, event fd), ours
         self._payload = b""
         self._start: dict[str, Any] = {}
-        self._finished: set[int] = set()  # agents that said "done" or "failed"
-        self._agents: list[subprocess.Popen[bytes]] = []
-        self._readers: list[threading.Thread] = []
-        self._stderr_paths: list[Path] = []
+        self._unheard: list[dict[str, Any]] = []  # failures before anyone subscribed
+        self._over = [threading.Event() for _ in self.hosts]  # "done", "failed" or gone
+        self._said_done = [False for _ in self.hosts]
+        self._sent = [False for _ in self.hosts]  # each agent's start went out
+        self._links: list[AgentLink] = []
+        self._log_paths = [
+            run_dir / f"agent-{index}-{_safe(host)}.log" for index, host in enumerate(self.hosts)
+        ]
         try:
             for index, host in enumerate(self.hosts):
-                path = run_dir / f"agent-{index}-{_safe(host)}.log"
-                with private_file(path, "wb") as stderr:
-                    agent = subprocess.Popen(
-                        command_for(host, [python, *AGENT_ARGV]),
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        stderr=stderr,
-                        start_new_session=True,  # the kernel's interrupt goes through Stop
-                    )
-                self._agents.append(agent)
-                self._stderr_paths.append(path)
+                link = self._agent_for(host)
+                self._links.append(link)
+                link.hold(
+                    functools.partial(self._on_message, index),
+                    functools.partial(self._host_failed, index),
+                    self._log_paths[index],
+                )
         except BaseException:
             self.close()
             raise
-        self._readers = [
-            threading.Thread(
-                target=self._read_agent, args=(index,), name=f"nbaccel-agent-{index}", daemon=True
-            )
-            for index in range(len(self._agents))
-        ]
-        for reader in self._readers:
-            reader.start()
+
+    def _agent_for(self, host: str) -> AgentLink:
+        if self.local:  # the kernel's own environment, as it is now: a new agent each time
+            return AgentLink(host, self._shell.argv(host, [self._shell.python, *AGENT_ARGV]))
+        return AGENTS.take(self._shell, host)
 
     def configure(self, start: dict[str, Any]) -> None:
         """What every host's start message carries besides its own share (set before spawn)."""
@@ -109,7 +106,11 @@ class RemoteHosts:
 
     # ----- WorkerStarter ------------------------------------------------------------
     def subscribe(self, run_id: str, listener: StarterListener) -> None:
-        self._run_id, self._listener = run_id, listener
+        with self._lock:
+            self._run_id, self._listener = run_id, listener
+            unheard, self._unheard = self._unheard, []
+        for message in unheard:
+            listener({**message, "run": run_id})
 
     def unsubscribe(self, run_id: str) -> None:
         self._listener = None
@@ -123,10 +124,10 @@ class RemoteHosts:
             self._pipes[rank] = (os.dup(fds[1]), os.dup(fds[2]))
             complete = len(self._pipes) == self.world_size
         if complete:
-            self._send(0, self._start_message(0, None))
+            self._send_start(0, None)
 
     def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
-        for index in range(len(self._agents)):
+        for index in range(len(self._links)):
             self._send(index, {"op": "signal", "signal": int(signum), "ranks": ranks})
 
     def host_of(self, rank: int) -> str | None:
@@ -134,29 +135,28 @@ class RemoteHosts:
 
     # ----- the agents ---------------------------------------------------------------
     def close(self) -> None:
-        """Close every agent's stdin (it stops its host), wait for it, close our pipes."""
-        for agent in self._agents:
-            _close_quietly(agent.stdin)
-        for agent in self._agents:
-            try:
-                agent.wait(timeout=AGENT_EXIT_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
-        for reader in self._readers:  # each reads to its agent's end, then stops
-            if reader is not threading.current_thread():
-                reader.join(timeout=AGENT_EXIT_TIMEOUT)
-        for agent in self._agents:
-            _close_quietly(agent.stdout)  # else the fd stays open until garbage collection
+        """The run is over: each agent that finished its share goes back to the pool (a
+        one-machine agent, or one that did not finish, is ended: its stdin closes and it
+        stops its host); our pipes close. Once; later calls do nothing."""
         with self._lock:
+            links, self._links = self._links, []
             pipes, self._pipes = list(self._pipes.values()), {}
+        for index, link in enumerate(links):
+            if self._sent[index] and not link.reads_on_this_thread():
+                self._over[index].wait(DONE_TIMEOUT)  # it comes right after the last exit
+        for index, link in enumerate(links):
+            if self.local or not self._said_done[index]:
+                link.release()
+                link.close()
+            else:
+                AGENTS.give_back(self._shell, link)
         for log_fd, event_fd in pipes:
             _close_fd(log_fd)
             _close_fd(event_fd)
 
     def stderr_tail(self, index: int) -> str:
         try:
-            lines = self._stderr_paths[index].read_text(errors="replace").splitlines()
+            lines = self._log_paths[index].read_text(errors="replace").splitlines()
         except OSError:
             return ""
         return "\n".join(lines[-STDERR_TAIL_LINES:])
@@ -186,28 +186,18 @@ class RemoteHosts:
             "rendezvous": "c10d" if self._start.get("max_restarts") else "static",
         }
 
+    def _send_start(self, index: int, port: int | None) -> None:
+        self._sent[index] = True
+        self._send(index, self._start_message(index, port))
+
     def _send(self, index: int, message: dict[str, Any]) -> None:
-        stdin = self._agents[index].stdin
-        try:
-            assert stdin is not None
-            stdin.write(encode_frame(message))
-            stdin.flush()
-        except (OSError, ValueError):
-            pass  # that agent is gone; its reader reports why
+        with self._lock:
+            link = self._links[index] if index < len(self._links) else None
+        if link is not None:  # else the run is over: its agents are not its to command
+            link.send(message)
 
-    def _read_agent(self, index: int) -> None:
-        agent = self._agents[index]
-        assert agent.stdout is not None
-        decoder, ended = FrameDecoder(), False
-        while not ended and (data := _read(agent.stdout)):
-            for message in decoder.feed(data):
-                ended = self._on_message(index, message) or ended
-        if not ended:  # no "done": the connection or the agent broke
-            agent.wait()
-            self._host_failed(index, f"the agent exited with code {agent.returncode}")
-
-    def _on_message(self, index: int, message: dict[str, Any]) -> bool:
-        """Handle one agent message; True when that agent is finished."""
+    def _on_message(self, index: int, message: dict[str, Any]) -> None:
+        """Handle one agent message (on that agent's reader thread)."""
         op = message["op"]
         if op == "worker":  # before any of that worker's bytes
             rank, attempt = int(message["rank"]), int(message["attempt"])
@@ -225,7 +215,7 @@ class RemoteHosts:
                 _write_all(fds[0] if op == "log" else fds[1], message["data"])
         elif op == "endpoint":
             for other in range(1, len(self.hosts)):
-                self._send(other, self._start_message(other, int(message["port"])))
+                self._send_start(other, int(message["port"]))
         elif op == "exited":
             rank = int(message["rank"])
             with self._lock:
@@ -235,33 +225,32 @@ class RemoteHosts:
             self._post({"op": "exited", "rank": rank, "status": int(message["status"])})
         elif op == "failed":
             self._host_failed(index, message["error"])
-            return True
-        return bool(op == "done")
+        elif op == "done":
+            self._said_done[index] = True
+            self._over[index].set()
 
     def _host_failed(self, index: int, reason: str) -> None:
-        if index in self._finished or self._listener is None:
+        """An agent broke ("failed") or left before its "done": every rank is lost."""
+        if self._over[index].is_set():  # one report per agent: "failed", then its end
             return
-        self._finished.add(index)
+        self._over[index].set()
         tail = self.stderr_tail(index)
         where = "on this machine" if self.local else f"on host {self.hosts[index]!r}"
         error = (
             f"the nbaccel agent {where} failed: {reason.strip()}"
             + (f"\nIts last output:\n{tail}" if tail else "")
-            + f"\nThe whole output is in {self._stderr_paths[index]}."
+            + f"\nThe whole output is in {self._log_paths[index]}."
         )
-        self._post({"op": "helper_died", "error": error})
+        self._post({"op": "helper_died", "error": error}, keep=True)
 
-    def _post(self, message: dict[str, Any]) -> None:
-        listener = self._listener
+    def _post(self, message: dict[str, Any], *, keep: bool = False) -> None:
+        """To the run's listener; ``keep``: held for it if it has not subscribed yet."""
+        with self._lock:
+            listener = self._listener
+            if listener is None and keep and not self._run_id:
+                self._unheard.append(message)
         if listener is not None:
             listener({**message, "run": self._run_id})
-
-
-def _read(stream: IO[bytes]) -> bytes:
-    try:
-        return os.read(stream.fileno(), 1 << 16)
-    except OSError:
-        return b""
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -278,14 +267,6 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def _close_quietly(stream: IO[bytes] | None) -> None:
-    if stream is not None:
-        try:
-            stream.close()
-        except OSError:
-            pass
 
 
 def _safe(host: str) -> str:

@@ -1,5 +1,7 @@
 """The ``ssh_hosts`` fixture: a real sshd on 127.0.0.2 and 127.0.0.3 (``sshd.py``), started
-once per session, its throwaway keys and files in a temporary folder removed at the end."""
+once per session, its throwaway keys and files in a temporary folder removed at the end.
+The tests' launches share the agents kept between launches, as a kernel's would; they are
+ended with the server."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from nbaccel.launcher.agent_link import AGENTS
 from tests.multihost.sshd import SSHD, SshHosts, keygen, serve
 
 __all__ = ["SshHosts", "keygen", "ssh_hosts"]
@@ -26,6 +29,9 @@ def ssh_hosts() -> Iterator[SshHosts]:
     folder = Path(tempfile.mkdtemp(prefix="nbaccel-sshd-"))
     try:
         with serve(folder) as hosts:
-            yield hosts
+            try:
+                yield hosts
+            finally:
+                AGENTS.close_all()  # the agents kept between the tests' launches
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -25,6 +25,7 @@ import pytest
 
 import nbaccel
 from nbaccel.events import DeviceMemory, Event, WorkerStarted
+from nbaccel.launcher.agent_link import AGENTS
 from nbaccel.ui.memory import ReportedMemory
 from tests.multihost.conftest import SshHosts
 
@@ -138,25 +139,44 @@ def wait_for_ranks(run: nbaccel.Run, count: int) -> None:
             run.wait(0.1)  # returns early if the run ends
 
 
-def test_stop_ends_every_process_on_every_host(ssh_hosts: SshHosts, tmp_path: Path) -> None:
+def test_stop_ends_every_worker_on_every_host_and_keeps_the_agents(
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
     run = nbaccel.launch(sleeps, num_processes=4, dashboard=False, **on_hosts(ssh_hosts, tmp_path))
     wait_for_ranks(run, 4)
-    processes = processes_of(run)
-    assert len(processes) == 6  # 4 workers, 2 agents
+    workers = [psutil.Process(pid) for pid in run.worker_pids.values()]
+    agents = list({w.parent().pid: w.parent() for w in workers}.values())  # type: ignore[union-attr]
+    assert len(workers) == 4 and len(agents) == 2
     started = time.monotonic()
     assert run.stop() is nbaccel.RunState.CANCELLED
-    _, alive = psutil.wait_procs(processes, timeout=GONE_WITHIN_S)
+    _, alive = psutil.wait_procs(workers, timeout=GONE_WITHIN_S)
     assert not alive, f"still running {time.monotonic() - started:.1f} s after stop: {alive}"
+    # The agents wait for the next launch, as the local helper does; they end with the
+    # kernel (test below) or when the pool is closed.
+    assert all(agent.is_running() for agent in agents)
+    AGENTS.close_all()
+    _, alive = psutil.wait_procs(agents, timeout=GONE_WITHIN_S)
+    assert not alive, f"agents left running after their channels closed: {alive}"
 
 
+def agent_pid() -> int:
+    return os.getppid()  # a worker is a fork of its host's agent (torch elastic's)
+
+
+# Two launches: the first leaves both hosts' agents idle; the second takes the first host's
+# again (busy when the kernel dies), the second host's stays idle.
 KERNEL = """
-import json, shlex, sys
+import json, sys
 import nbaccel
-from tests.multihost.test_hosts_launch import sleeps
-run = nbaccel.launch(sleeps, num_processes=4, dashboard=False, **json.loads(sys.argv[1]))
-from tests.multihost.test_hosts_launch import wait_for_ranks
-wait_for_ranks(run, 4)
-print("PIDS", json.dumps(list(run.worker_pids.values())), flush=True)
+from tests.multihost.test_hosts_launch import agent_pid, sleeps, wait_for_ranks
+settings = json.loads(sys.argv[1])
+first = nbaccel.launch(agent_pid, num_processes=4, dashboard=False, **settings)
+assert first.wait(180) is nbaccel.RunState.SUCCEEDED, first.error
+agents = sorted(set(first.results().values()))
+settings["hosts"] = settings["hosts"][:1]
+run = nbaccel.launch(sleeps, num_processes=2, dashboard=False, **settings)
+wait_for_ranks(run, 2)
+print("PIDS", json.dumps({"workers": list(run.worker_pids.values()), "agents": agents}), flush=True)
 sys.stdin.read()  # until killed
 """
 
@@ -176,12 +196,18 @@ def test_a_kernel_that_dies_takes_every_host_down(ssh_hosts: SshHosts, tmp_path:
         assert kernel.stdout is not None
         # The run's output comes first (the text display); the kernel's own timeout bounds this.
         line = next(line for line in kernel.stdout if line.startswith("PIDS "))
-        workers = [psutil.Process(pid) for pid in json.loads(line.split(" ", 1)[1])]
-        processes = workers + [w.parent() for w in workers]  # type: ignore[misc]
+        pids = json.loads(line.split(" ", 1)[1])
+        workers = [psutil.Process(pid) for pid in pids["workers"]]
+        agents = [psutil.Process(pid) for pid in pids["agents"]]
+        assert len(agents) == 2
+        # The second launch's workers are forks of the first launch's agent on that host.
+        assert {w.ppid() for w in workers} == {pids["agents"][0]} or {
+            w.ppid() for w in workers
+        } == {pids["agents"][1]}
         kernel.send_signal(signal.SIGKILL)
         kernel.wait(timeout=30)
-        _, alive = psutil.wait_procs(list({p.pid: p for p in processes}.values()), GONE_WITHIN_S)
-        assert not alive, f"left running after the kernel died: {alive}"
+        _, alive = psutil.wait_procs(workers + agents, GONE_WITHIN_S)
+        assert not alive, f"left running after the kernel died (busy and idle agents): {alive}"
     finally:
         if kernel.poll() is None:
             kernel.kill()

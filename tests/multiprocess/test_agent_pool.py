@@ -1,0 +1,126 @@
+"""The pool that keeps several-machine agents between launches (``agent_link.py``), with
+stand-in agents: small Python processes that speak the agent's frames on this machine
+(``RemoteShell("local")``), so each case costs a Python start, not an ``import torch``.
+The real agents' reuse over SSH is tested in tests/multihost/test_agents_kept.py."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from nbaccel.launcher.agent_link import AgentLink, AgentPool
+from nbaccel.launcher.remote_shell import RemoteShell
+
+TIMEOUT_S = 30.0
+
+# Each start: a line on stderr naming the run, then "done" saying whether it stays
+# (the start's "stays"); "leave" ends it as an agent that breaks would.
+STAND_IN = """
+import os, sys
+from nbaccel.events import FrameDecoder, encode_frame
+decoder = FrameDecoder()
+while data := os.read(0, 65536):
+    for message in decoder.feed(data):
+        if message["op"] == "leave":
+            os._exit(3)
+        print("serving", message["run"], file=sys.stderr, flush=True)
+        os.write(1, encode_frame({"op": "done", "stays": message["stays"]}))
+"""
+
+SHELL = RemoteShell("local", python=sys.executable)
+
+
+class Holder:
+    """A launch's side of a link: the messages it got, and the agent's end."""
+
+    def __init__(self, link: AgentLink, log: Path) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.ended: list[str] = []
+        self.over = threading.Event()
+        link.hold(self._message, self._end, log)
+
+    def _message(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        self.over.set()
+
+    def _end(self, reason: str) -> None:
+        self.ended.append(reason)
+        self.over.set()
+
+
+@pytest.fixture
+def pool() -> Iterator[AgentPool]:
+    pool = AgentPool(agent_argv=("-c", STAND_IN))
+    yield pool
+    pool.close_all()
+
+
+def serve(pool: AgentPool, log: Path, run: str, *, stays: bool = True) -> AgentLink:
+    """One launch on the host's agent: hold it, start, wait for its "done", give it back."""
+    link = pool.take(SHELL, "node1")
+    holder = Holder(link, log)
+    link.send({"op": "start", "run": run, "stays": stays})
+    assert holder.over.wait(TIMEOUT_S), "no answer from the agent"
+    assert holder.messages == [{"op": "done", "stays": stays}]
+    pool.give_back(SHELL, link)
+    return link
+
+
+def test_an_agent_that_stays_is_taken_again_and_each_launch_keeps_its_own_output(
+    pool: AgentPool, tmp_path: Path
+) -> None:
+    first = serve(pool, tmp_path / "first.log", "run-1")
+    assert pool.has_idle(SHELL, "node1") and not pool.has_idle(SHELL, "node2")
+    second = serve(pool, tmp_path / "second.log", "run-2")
+    assert second is first and psutil.Process(first.pid).is_running()
+    pool.close_all()  # both logs are complete once the agent is gone
+    assert (tmp_path / "first.log").read_text() == "serving run-1\n"
+    assert (tmp_path / "second.log").read_text() == "serving run-2\n"
+    assert not pool.has_idle(SHELL, "node1")
+
+
+def test_an_agent_that_does_not_stay_is_ended(pool: AgentPool, tmp_path: Path) -> None:
+    link = serve(pool, tmp_path / "run.log", "run-1", stays=False)
+    assert not pool.has_idle(SHELL, "node1")
+    assert not psutil.pid_exists(link.pid) or psutil.Process(link.pid).status() == "zombie"
+
+
+def test_an_agent_that_left_while_idle_is_replaced(pool: AgentPool, tmp_path: Path) -> None:
+    first = serve(pool, tmp_path / "first.log", "run-1")
+    psutil.Process(first.pid).kill()
+    assert first.wait_ended(TIMEOUT_S)  # its channel's end: the pool offers it no more
+    assert not pool.has_idle(SHELL, "node1")
+    second = serve(pool, tmp_path / "second.log", "run-2")
+    assert second is not first and second.pid != first.pid
+
+
+def test_a_holder_hears_an_agent_that_breaks_with_its_exit_code(
+    pool: AgentPool, tmp_path: Path
+) -> None:
+    link = pool.take(SHELL, "node1")
+    holder = Holder(link, tmp_path / "run.log")
+    link.send({"op": "leave", "run": "run-1"})
+    assert holder.over.wait(TIMEOUT_S)
+    assert holder.ended == ["the agent exited with code 3"] and not link.alive
+    pool.give_back(SHELL, link)  # said no "done": ended, not kept
+    assert not pool.has_idle(SHELL, "node1")
+
+
+def test_close_all_ends_every_idle_agent(pool: AgentPool, tmp_path: Path) -> None:
+    links = [pool.take(SHELL, host) for host in ("node1", "node2")]
+    for index, link in enumerate(links):
+        holder = Holder(link, tmp_path / f"{index}.log")
+        link.send({"op": "start", "run": f"run-{index}", "stays": True})
+        assert holder.over.wait(TIMEOUT_S)
+        pool.give_back(SHELL, link)
+    assert sorted(link.pid for link in pool.idle_links()) == sorted(link.pid for link in links)
+    processes = [psutil.Process(link.pid) for link in links]
+    pool.close_all()
+    _, alive = psutil.wait_procs(processes, timeout=TIMEOUT_S)
+    assert not alive and pool.idle_links() == []
