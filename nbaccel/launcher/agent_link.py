@@ -1,16 +1,19 @@
 """The kernel's side of one nbaccel agent, and the pool that keeps agents between launches.
 
-An ``AgentLink`` is one agent process (``python -m nbaccel.launcher.agent_main``, run on its
-host through ``ssh`` or ``srun``) with its channel: frames go out on its stdin, and the
-frames of its stdout go to whichever launch holds the link (``hold``). The agent's own
+An ``AgentLink`` is one agent process (``python -c AGENT_BOOT``: preflight's probe, then
+``nbaccel.launcher.agent_main``, run on its host through ``ssh`` or ``srun``) with its
+channel. Its stdout starts with the probe's line (``probe``); then frames, which go to
+whichever launch holds the link (``hold``). Frames go out on its stdin. The agent's own
 output (stderr) is copied into that launch's ``agent-<i>-<host>.log``.
 
-An agent serves launch after launch. ``AGENTS`` keeps the idle ones, per host and way of
-reaching it, as the kernel keeps its local helper: a warm relaunch on several machines
-needs no new SSH connection, no preflight and no ``import torch`` on any host. An agent
-leaves when the kernel does (its stdin closes), when its launch SIGKILLs its host, or when
-it breaks; the pool hands out only agents that said they stay. Stdlib only: the kernel runs
-this.
+``AgentPool.start_checked`` starts the agents of the hosts a launch needs as its preflight:
+the probe rides on the agent's own SSH connection, and the agent goes on to import torch
+while the kernel judges the answers. An agent serves launch after launch. ``AGENTS`` keeps
+the idle ones, per host and way of reaching it, as the kernel keeps its local helper: a
+warm relaunch on several machines needs no new SSH connection, no preflight and no
+``import torch`` on any host. An agent leaves when the kernel does (its stdin closes), when
+its launch SIGKILLs its host, or when it breaks; the pool hands out only agents that said
+they stay. Stdlib only: the kernel runs this.
 """
 
 from __future__ import annotations
@@ -19,17 +22,27 @@ import os
 import select
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.launcher.preflight import (
+    AGENT_BOOT,
+    PROBE_MARK,
+    HostInfo,
+    ProbeAnswer,
+    no_answer,
+    no_command,
+    preflight,
+)
 from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.launcher.run_folder import private_file
 
-AGENT_ARGV = ("-m", "nbaccel.launcher.agent_main")
+AGENT_ARGV = ("-c", AGENT_BOOT)
 AGENT_EXIT_TIMEOUT = 10.0  # after its stdin closes, an agent kills its workers and leaves
 READ_SIZE = 1 << 16
+EARLY_OUTPUT = 1 << 16  # what is kept of an agent's output before a launch holds it
 
 # A holder's callbacks: one message of the agent; the agent's end ("exited with code N").
 OnMessage = Callable[[dict[str, Any]], None]
@@ -46,6 +59,10 @@ class AgentLink:
         self._on_message: OnMessage | None = None
         self._on_end: OnEnd | None = None
         self._log: IO[bytes] | None = None  # its holder's agent log
+        self._early = bytearray()  # its output before any launch held it (the probe's)
+        self._answer: subprocess.CompletedProcess[str] | None = None
+        self._answered = threading.Event()  # the probe's line came, or the agent ended
+        self._said = b""  # its stdout up to the probe's line
         self._ended = threading.Event()  # its channel reached its end: it is gone
         self._process = subprocess.Popen(
             list(argv),
@@ -68,6 +85,17 @@ class AgentLink:
     def alive(self) -> bool:
         return not self._ended.is_set()
 
+    def probe(self, timeout: float) -> subprocess.CompletedProcess[str] | None:
+        """What the agent's first step said (preflight's probe), as a command's result:
+        exit code 0 and the line once it came, else the agent's end (its exit code and
+        output); None if neither came within ``timeout``."""
+        self._answered.wait(timeout)
+        return self._answer
+
+    def early_output(self) -> str:
+        with self._lock:
+            return self._early.decode(errors="replace")
+
     def wait_ended(self, timeout: float) -> bool:
         """Wait until this link knows its agent is gone; whether it is."""
         return self._ended.wait(timeout)
@@ -80,6 +108,9 @@ class AgentLink:
         """Give this agent's messages, end and output to one launch from now on."""
         log = private_file(log_path, "wb")
         with self._lock:
+            log.write(self._early)
+            log.flush()
+            self._early.clear()
             previous, self._log = self._log, log
             self._on_message, self._on_end = on_message, on_end
             self.stays = False
@@ -104,9 +135,13 @@ class AgentLink:
         except (OSError, ValueError):
             pass  # the agent is gone; the reader reports why
 
-    def close(self) -> None:
-        """Close the agent's stdin (it stops its workers and leaves) and wait for it."""
+    def close(self, *, kill: bool = False) -> None:
+        """Close the agent's stdin (it stops its workers and leaves) and wait for it;
+        ``kill``: end the local ``ssh``/``srun`` (or agent) at once instead, as for an
+        agent whose host failed its check (it leaves once its channel is gone)."""
         _close_quietly(self._process.stdin)
+        if kill:
+            self._process.kill()
         try:
             self._process.wait(timeout=AGENT_EXIT_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -126,7 +161,8 @@ class AgentLink:
         stdout = self._process.stdout
         assert stdout is not None
         decoder = FrameDecoder()
-        while data := _read(stdout):
+        data = self._read_probe(stdout)
+        while data is not None:
             for message in decoder.feed(data):
                 if message["op"] == "done":
                     self.stays = bool(message.get("stays"))
@@ -136,14 +172,36 @@ class AgentLink:
                     deliver = self._on_message
                 if deliver is not None:
                     deliver(message)
+            data = _read(stdout) or None
         code = self._process.wait()
         self._stderr.join(timeout=AGENT_EXIT_TIMEOUT)  # its last words are in the log first
+        if self._answer is None:  # it ended before its probe's line: its output says why
+            self._answer = subprocess.CompletedProcess(
+                self._process.args, code, self._said.decode(errors="replace"), self.early_output()
+            )
+            self._answered.set()
         with self._lock:
             self.stays = False
             self._ended.set()
             on_end = self._on_end
         if on_end is not None:
             on_end(f"the agent exited with code {code}")
+
+    def _read_probe(self, stdout: IO[bytes]) -> bytes | None:
+        """Read up to the probe's line (a login banner may come first); the frames' bytes
+        read after it, or None at the agent's end."""
+        while data := _read(stdout):
+            self._said += data
+            mark = self._said.find(PROBE_MARK.encode())
+            end = self._said.find(b"\n", mark)
+            if mark != -1 and end != -1:
+                said, rest = self._said[: end + 1], self._said[end + 1 :]
+                self._answer = subprocess.CompletedProcess(
+                    self._process.args, 0, said.decode(errors="replace"), ""
+                )
+                self._answered.set()
+                return rest
+        return None
 
     def _copy_stderr(self) -> None:
         """Copy the agent's output into its holder's log until the agent ends. Reads happen
@@ -176,6 +234,9 @@ class AgentLink:
             if self._log is not None:
                 self._log.write(data)
                 self._log.flush()
+            else:
+                self._early += data
+                del self._early[:-EARLY_OUTPUT]
 
 
 class AgentPool:
@@ -193,6 +254,46 @@ class AgentPool:
         with self._lock:
             return any(link.alive for link in self._idle.get((shell, host), ()))
 
+    def start_checked(
+        self,
+        shell: RemoteShell,
+        hosts: Sequence[str],
+        *,
+        timeout: float,
+        local_versions: Mapping[str, str],
+    ) -> dict[str, HostInfo]:
+        """Start an agent on each of ``hosts`` and check them all at once (preflight, on the
+        agents' own connections): they go into the pool for the launch to take; what each
+        host has. If any host fails, every agent started here is ended and ONE ConfigError
+        names every failing host (``preflight``)."""
+        links: dict[str, AgentLink] = {}
+        missing: dict[str, ProbeAnswer] = {}
+        for host in dict.fromkeys(hosts):
+            try:
+                links[host] = self._start(shell, host)
+            except FileNotFoundError:  # no ssh (or srun) here
+                missing[host] = no_command(shell, host)
+
+        def ask(host: str) -> ProbeAnswer:
+            link = links.get(host)
+            if link is None:
+                return missing[host]
+            answer = link.probe(timeout)
+            return answer or no_answer(shell, host, timeout, link.early_output())
+
+        try:
+            found = preflight(
+                shell, list(links) + list(missing), ask, local_versions=local_versions
+            )
+        except BaseException:
+            for link in links.values():
+                link.close(kill=True)
+            raise
+        with self._lock:
+            for host, link in links.items():
+                self._idle.setdefault((shell, host), []).append(link)
+        return found
+
     def take(self, shell: RemoteShell, host: str) -> AgentLink:
         with self._lock:
             idle = self._idle.get((shell, host), [])
@@ -201,6 +302,9 @@ class AgentPool:
                 if link.alive:
                     return link
                 link.close()  # it left while idle: reap it
+        return self._start(shell, host)
+
+    def _start(self, shell: RemoteShell, host: str) -> AgentLink:
         return AgentLink(host, shell.argv(host, [shell.python, *self._agent_argv]))
 
     def give_back(self, shell: RemoteShell, link: AgentLink) -> None:

@@ -28,7 +28,7 @@ from nbaccel.launcher.checks import check_gpus_suffice
 from nbaccel.launcher.elastic import DEFAULT_MULTINODE_PORT
 from nbaccel.launcher.hosts import processes_per_host, read_hosts
 from nbaccel.launcher.planned import Display, HostPlacement, JobMachine, Planned
-from nbaccel.launcher.preflight import local_versions, preflight
+from nbaccel.launcher.preflight import local_versions
 from nbaccel.launcher.remote_hosts import RemoteHosts
 from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.launcher.run import Run
@@ -180,7 +180,10 @@ def place_on_hosts(config: Config, env: Mapping[str, str]) -> HostPlacement:
         python=config.remote_python or sys.executable,
     )
     names = [host.name for host in hosts]
-    # A host whose agent is kept from an earlier launch passed its check then.
+    # A host whose agent is kept from an earlier launch passed its check then. The others'
+    # agents start now, their first step the check; they import torch while the launch goes on.
     unchecked = [name for name in names if not AGENTS.has_idle(shell, name)]
-    preflight(shell, unchecked, timeout=PREFLIGHT_TIMEOUT, local_versions=local_versions())
+    AGENTS.start_checked(
+        shell, unchecked, timeout=PREFLIGHT_TIMEOUT, local_versions=local_versions()
+    )
     return HostPlacement(tuple(names), tuple(shares), shell)

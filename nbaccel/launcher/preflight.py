@@ -1,11 +1,13 @@
 """Before anything starts on other hosts: can every one of them run nbaccel?
 
-:func:`preflight` runs a small probe on every host at once, through the same
-:class:`~nbaccel.launcher.remote_shell.RemoteShell` that will start the agents, and checks:
-reachable, logged in without a password, host key trusted, the Python interpreter present,
-nbaccel and torch installed, at the kernel's versions. Every host that fails is named in ONE
-error with its reason, the fix and the last lines of its stderr. Stdlib only: this runs in
-the kernel, which never imports torch.
+A small probe runs on every host at once, through the same
+:class:`~nbaccel.launcher.remote_shell.RemoteShell` that starts the agents: it is the
+agent's own first step (:data:`AGENT_BOOT`), so the check costs no SSH connection of its
+own. :func:`preflight` reads every host's answer and checks: reachable, logged in without a
+password, host key trusted, the Python interpreter present, nbaccel and torch installed, at
+the kernel's versions. Every host that fails is named in ONE error with its reason, the fix
+and the last lines of its stderr. Stdlib only: this runs in the kernel, which never imports
+torch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import platform
 import shlex
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
@@ -41,13 +43,24 @@ try:
     gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
 except OSError:
     gpus = 0
-print(json.dumps({{"{PROBE_MARK}": 1, "python": "%d.%d.%d" % sys.version_info[:3],
+found = {{"{PROBE_MARK}": 1, "python": "%d.%d.%d" % sys.version_info[:3],
     "nbaccel": version("nbaccel"), "torch": version("torch"),
-    "hostname": socket.gethostname(), "cpus": cpus, "gpus": gpus}}))
+    "hostname": socket.gethostname(), "cpus": cpus, "gpus": gpus}}
+print(json.dumps(found), flush=True)
 """
 # One line, so that any login shell (sh, bash, zsh, csh, fish) passes it through unchanged.
 # It reads package metadata only: importing torch would take seconds on every host.
 PROBE = f"exec({_PROBE_SOURCE!r})"
+
+# The agent's command (``python -c AGENT_BOOT``): the probe's line first, then, where nbaccel
+# and torch are installed, the agent itself (its frames follow on stdout). The kernel judges
+# the line while the agent goes on to import torch, and ends an agent whose host fails.
+_THEN_THE_AGENT = """
+if found["nbaccel"] and found["torch"]:
+    import runpy
+    runpy.run_module("nbaccel.launcher.agent_main", run_name="__main__", alter_sys=True)
+"""
+AGENT_BOOT = f"exec({_PROBE_SOURCE + _THEN_THE_AGENT!r})"
 
 _STDERR_LINES = 5
 
@@ -106,27 +119,64 @@ def local_versions() -> dict[str, str]:
     return found
 
 
+# What one host's probe said: its command's result (exit code, stdout, stderr; exit code 0
+# once the probe's line is in), or a failure found before any result (no_answer, no_command).
+ProbeAnswer = subprocess.CompletedProcess[str] | HostFailure
+
+
 def preflight(
     shell: RemoteShell,
     hosts: Sequence[str],
+    ask: Callable[[str], ProbeAnswer],
     *,
-    timeout: float,
     local_versions: Mapping[str, str],
 ) -> dict[str, HostInfo]:
-    """Probe every host at once (one thread and one ``timeout`` each); what each has, or ONE
-    :class:`ConfigError` naming every host that cannot run nbaccel, why, and the fix.
+    """Every host's answer (``ask(host)``, all hosts at once, one thread each) judged: what
+    each has, or ONE :class:`ConfigError` naming every host that cannot run nbaccel, why,
+    and the fix.
 
-    >>> preflight(RemoteShell("ssh"), [], timeout=5, local_versions={})
+    >>> preflight(RemoteShell("ssh"), [], lambda host: no_command(RemoteShell("ssh"), host),
+    ...           local_versions={})
     {}
     """
     if not hosts:
         return {}
+
+    def judge(host: str) -> HostInfo | HostFailure:
+        answer = ask(host)
+        if isinstance(answer, HostFailure):
+            return answer
+        return classify_probe(shell, host, answer, local_versions)
+
     with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="nbaccel-probe") as pool:
-        outcomes = list(pool.map(lambda host: _probe(shell, host, timeout, local_versions), hosts))
+        outcomes = list(pool.map(judge, hosts))
     failures = [o for o in outcomes if isinstance(o, HostFailure)]
     if failures:
         raise ConfigError(_failure_message(shell, failures, len(hosts)), field="hosts")
     return {info.host: info for info in outcomes if isinstance(info, HostInfo)}
+
+
+def no_answer(shell: RemoteShell, host: str, timeout: float, stderr: str) -> HostFailure:
+    """The probe said nothing within ``timeout``."""
+    return HostFailure(
+        host,
+        f"no answer within {timeout:g} s",
+        f"Something on the way hangs: a firewall that drops packets, a slow login "
+        f"shell or home folder, or a busy host. Check by hand with "
+        f"`{_manual_check(shell, host)}`, or allow more time.",
+        stderr,
+    )
+
+
+def no_command(shell: RemoteShell, host: str) -> HostFailure:
+    """``ssh`` or ``srun`` is not installed on this machine."""
+    return HostFailure(
+        host,
+        f"the {shell.kind} command is not installed on this machine",
+        "Install OpenSSH's client (apt-get install openssh-client)"
+        if shell.kind == "ssh"
+        else "Run the kernel on a node of the Slurm allocation, where srun is installed.",
+    )
 
 
 def classify_probe(
@@ -181,37 +231,6 @@ def classify_probe(
         "needs Python >= 3.10 there.",
         stderr,
     )
-
-
-def _probe(
-    shell: RemoteShell, host: str, timeout: float, versions: Mapping[str, str]
-) -> HostInfo | HostFailure:
-    command = shell.argv(host, [shell.python, "-c", PROBE])
-    try:
-        # stdin from /dev/null: the probe reads nothing, and ssh must not take the kernel's.
-        result = subprocess.run(
-            command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as expired:  # run() has killed the command
-        raw = expired.stderr  # bytes even with text=True (subprocess's documentation)
-        stderr = raw.decode(errors="replace") if isinstance(raw, bytes) else (raw or "")
-        return HostFailure(
-            host,
-            f"no answer within {timeout:g} s",
-            f"Something on the way hangs: a firewall that drops packets, a slow login "
-            f"shell or home folder, or a busy host. Check by hand with "
-            f"`{_manual_check(shell, host)}`, or allow more time.",
-            stderr,
-        )
-    except FileNotFoundError:
-        return HostFailure(
-            host,
-            f"the {command[0]} command is not installed on this machine",
-            "Install OpenSSH's client (apt-get install openssh-client)"
-            if shell.kind == "ssh"
-            else "Run the kernel on a node of the Slurm allocation, where srun is installed.",
-        )
-    return classify_probe(shell, host, result, versions)
 
 
 def _parse_probe(stdout: str) -> dict[str, object] | None:

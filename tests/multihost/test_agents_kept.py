@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import nbaccel
-from nbaccel.launcher import hosts_launch
+from nbaccel.launcher import agent_link
 from nbaccel.launcher.agent_link import AGENTS
 from tests.multihost.conftest import SshHosts
 from tests.multihost.test_hosts_launch import GONE_WITHIN_S, RUN_TIMEOUT_S, on_hosts
@@ -41,15 +41,15 @@ def launch(ssh_hosts: SshHosts, runs_dir: Path, **settings: Any) -> dict[int, di
 
 @pytest.fixture
 def checked_hosts(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The hosts each launch's preflight probes over SSH."""
+    """The hosts each launch's preflight probes (its new agents' first step)."""
     checked: list[list[str]] = []
-    probe = hosts_launch.preflight
+    probe = agent_link.preflight
 
-    def recording(shell: Any, hosts: Any, **kwargs: Any) -> Any:
+    def recording(shell: Any, hosts: Any, ask: Any, **kwargs: Any) -> Any:
         checked.append(list(hosts))
-        return probe(shell, hosts, **kwargs)
+        return probe(shell, hosts, ask, **kwargs)
 
-    monkeypatch.setattr(hosts_launch, "preflight", recording)
+    monkeypatch.setattr(agent_link, "preflight", recording)
     return checked
 
 

@@ -7,10 +7,12 @@ import socket
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nbaccel.errors import ConfigError
-from nbaccel.launcher.preflight import HostInfo, local_versions, preflight
+from nbaccel.launcher.agent_link import AgentPool
+from nbaccel.launcher.preflight import HostInfo, local_versions
 from nbaccel.launcher.remote_shell import RemoteShell
 from tests.multihost.conftest import SshHosts, keygen
 
@@ -18,16 +20,32 @@ TIMEOUT = 30.0  # per host; a probe here takes well under a second
 
 
 def failure(shell: RemoteShell, hosts: list[str], **versions: str) -> str:
+    """The error of checking ``hosts``, each by its new agent's first step: no agent, and
+    no ssh of one, stays."""
+    pool = AgentPool()
+    before = {child.pid for child in psutil.Process().children()}
     with pytest.raises(ConfigError) as caught:
-        preflight(shell, hosts, timeout=TIMEOUT, local_versions=versions or local_versions())
+        pool.start_checked(
+            shell, hosts, timeout=TIMEOUT, local_versions=versions or local_versions()
+        )
     assert caught.value.field == "hosts"
+    assert pool.idle_links() == []
+    assert {child.pid for child in psutil.Process().children()} <= before
     return str(caught.value)
 
 
 def test_both_hosts_pass_with_the_kernels_versions(ssh_hosts: SshHosts) -> None:
     shell = RemoteShell("ssh", ssh_hosts.ssh_options, python=sys.executable)
     here = local_versions()
-    found = preflight(shell, list(ssh_hosts.hosts), timeout=TIMEOUT, local_versions=here)
+    pool = AgentPool()
+    try:
+        found = pool.start_checked(
+            shell, list(ssh_hosts.hosts), timeout=TIMEOUT, local_versions=here
+        )
+        # The agents that answered wait in the pool for the launch.
+        assert sorted(link.host for link in pool.idle_links()) == sorted(ssh_hosts.hosts)
+    finally:
+        pool.close_all()
     assert list(found) == list(ssh_hosts.hosts)
     for host, info in found.items():
         assert info == HostInfo(

@@ -19,11 +19,14 @@ from nbaccel.launcher.remote_shell import RemoteShell
 
 TIMEOUT_S = 30.0
 
-# Each start: a line on stderr naming the run, then "done" saying whether it stays
-# (the start's "stays"); "leave" ends it as an agent that breaks would.
+# First the probe's line, as a real agent's first step prints it. Then, for each start: a
+# line on stderr naming the run, and "done" saying whether it stays (the start's "stays");
+# "leave" ends it as an agent that breaks would.
 STAND_IN = """
 import os, sys
 from nbaccel.events import FrameDecoder, encode_frame
+print("a login banner")
+print('{"nbaccel_probe": 1, "python": "3.11.2"}', flush=True)
 decoder = FrameDecoder()
 while data := os.read(0, 65536):
     for message in decoder.feed(data):
@@ -64,12 +67,16 @@ def pool() -> Iterator[AgentPool]:
 def serve(pool: AgentPool, log: Path, run: str, *, stays: bool = True) -> AgentLink:
     """One launch on the host's agent: hold it, start, wait for its "done", give it back."""
     link = pool.take(SHELL, "node1")
+    serve_held(link, log, run, stays=stays)
+    pool.give_back(SHELL, link)
+    return link
+
+
+def serve_held(link: AgentLink, log: Path, run: str, *, stays: bool = True) -> None:
     holder = Holder(link, log)
     link.send({"op": "start", "run": run, "stays": stays})
     assert holder.over.wait(TIMEOUT_S), "no answer from the agent"
     assert holder.messages == [{"op": "done", "stays": stays}]
-    pool.give_back(SHELL, link)
-    return link
 
 
 def test_an_agent_that_stays_is_taken_again_and_each_launch_keeps_its_own_output(
@@ -110,6 +117,28 @@ def test_a_holder_hears_an_agent_that_breaks_with_its_exit_code(
     assert holder.ended == ["the agent exited with code 3"] and not link.alive
     pool.give_back(SHELL, link)  # said no "done": ended, not kept
     assert not pool.has_idle(SHELL, "node1")
+
+
+def test_an_agent_is_probed_on_its_own_channel_before_its_frames(
+    pool: AgentPool, tmp_path: Path
+) -> None:
+    link = pool.take(SHELL, "node1")
+    answer = link.probe(TIMEOUT_S)
+    assert answer is not None and answer.returncode == 0
+    assert answer.stdout == 'a login banner\n{"nbaccel_probe": 1, "python": "3.11.2"}\n'
+    serve_held(link, tmp_path / "run.log", "run-1")  # its frames follow, whole
+    pool.give_back(SHELL, link)
+
+
+def test_an_agent_that_ends_before_its_probe_answers_with_its_code_and_output(
+    tmp_path: Path,
+) -> None:
+    pool = AgentPool(agent_argv=("-c", "import sys; sys.exit('no such module: nbaccel')"))
+    link = pool.take(SHELL, "node1")
+    answer = link.probe(TIMEOUT_S)
+    assert answer is not None and answer.returncode == 1
+    assert answer.stdout == "" and answer.stderr == "no such module: nbaccel\n"
+    link.close()
 
 
 def test_close_all_ends_every_idle_agent(pool: AgentPool, tmp_path: Path) -> None:

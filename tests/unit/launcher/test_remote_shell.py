@@ -6,17 +6,20 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from nbaccel.errors import ConfigError
-from nbaccel.launcher import preflight as preflight_module
 from nbaccel.launcher.preflight import (
+    AGENT_BOOT,
     PROBE,
     HostFailure,
     HostInfo,
     classify_probe,
     local_versions,
+    no_answer,
+    no_command,
     preflight,
 )
 from nbaccel.launcher.remote_shell import RemoteShell
@@ -107,6 +110,24 @@ def test_the_probe_runs_here_and_reports_without_importing_torch() -> None:
     assert found["cpus"] >= 1 and found["gpus"] >= 0
     assert torch_imported == "False"
     assert "\n" not in PROBE
+
+
+def test_the_agents_first_words_are_the_probes_and_it_leaves_where_nbaccel_is_missing(
+    tmp_path: Path,
+) -> None:
+    # An interpreter without nbaccel (nor torch): -I leaves out site-packages and the
+    # current folder, so the probe finds neither, says so, and no agent starts.
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", AGENT_BOOT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["nbaccel_probe"] == 1 and found["nbaccel"] is None and found["torch"] is None
+    assert "\n" not in AGENT_BOOT and "nbaccel.launcher.agent_main" in AGENT_BOOT
 
 
 # --- reading a probe's result --------------------------------------------------------------
@@ -250,22 +271,14 @@ def test_a_cuda_build_on_the_host_matches_a_cpu_build_in_the_kernel() -> None:
     assert isinstance(info, HostInfo)
 
 
-def test_preflight_raises_one_error_naming_every_failing_host(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_preflight_raises_one_error_naming_every_failing_host() -> None:
     answers = {
         "good": completed(0, probe_line()),
         "down": completed(255, "", "ssh: connect to host down port 22: Connection refused"),
         "old": completed(0, probe_line(nbaccel="0.0.9")),
     }
-
-    def fake_run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-        assert kwargs["timeout"] == 7 and kwargs["stdin"] == subprocess.DEVNULL
-        return answers[argv[argv.index("--") - 1]]
-
-    monkeypatch.setattr(preflight_module.subprocess, "run", fake_run)
     with pytest.raises(ConfigError) as caught:
-        preflight(SSH, list(answers), timeout=7, local_versions=HERE)
+        preflight(SSH, list(answers), answers.__getitem__, local_versions=HERE)
     message = str(caught.value)
     assert message.startswith("2 of 3 hosts cannot run nbaccel, so nothing was started")
     assert "- down: unreachable" in message and "Connection refused" in message
@@ -273,29 +286,24 @@ def test_preflight_raises_one_error_naming_every_failing_host(
     assert "- good" not in message
     assert caught.value.field == "hosts"
     del answers["down"], answers["old"]
-    assert list(preflight(SSH, ["good"], timeout=7, local_versions=HERE)) == ["good"]
+    assert list(preflight(SSH, ["good"], answers.__getitem__, local_versions=HERE)) == ["good"]
 
 
-def test_a_host_that_does_not_answer_in_time_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    def hang(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-        raise subprocess.TimeoutExpired(argv, 3.0, stderr=b"debug1: Connecting...\n")
+def test_a_host_that_does_not_answer_in_time_is_named() -> None:
+    def hang(host: str) -> HostFailure:
+        return no_answer(SSH, host, 3.0, "debug1: Connecting...\n")
 
-    monkeypatch.setattr(preflight_module.subprocess, "run", hang)
     with pytest.raises(ConfigError) as caught:
-        preflight(SSH, ["slow"], timeout=3, local_versions=HERE)
+        preflight(SSH, ["slow"], hang, local_versions=HERE)
     message = str(caught.value)
     assert "- slow: no answer within 3 s" in message
     assert "ssh -o BatchMode=yes slow true" in message
     assert "debug1: Connecting..." in message
 
 
-def test_a_missing_ssh_command_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
-    def absent(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-        raise FileNotFoundError(2, "No such file or directory", argv[0])
-
-    monkeypatch.setattr(preflight_module.subprocess, "run", absent)
+def test_a_missing_ssh_command_is_said() -> None:
     with pytest.raises(ConfigError, match="the ssh command is not installed") as caught:
-        preflight(SSH, ["node1"], timeout=3, local_versions=HERE)
+        preflight(SSH, ["node1"], lambda host: no_command(SSH, host), local_versions=HERE)
     assert "openssh-client" in str(caught.value)
 
 
