@@ -31,9 +31,9 @@ Ways, each measured in this run:
   single-machine warm launch, the reference of the "<= 3x" goal;
 * references: a fresh ``python -c "import torch"`` (wall time; the statement alone under
   "ready"), one SSH connection (``ssh -F config host true``), and ``ssh host python -c
-  "import torch"`` on both hosts at once (until both end): what two cold agents cannot beat
-  on this machine, where both "hosts" share its cores (on two real machines each imports
-  alone, as the single ``import torch`` does).
+  "import torch"`` (then ``os._exit``, as an agent never exits) on both hosts at once (until
+  both end): what two cold agents cannot beat on this machine, where both "hosts" share its
+  cores (on two real machines each imports alone, as the single ``import torch`` does).
 
 Where an nbaccel 2-host launch spends its time: the driver times the phases from marks it
 takes around nbaccel's own steps (it wraps ``api.place_on_hosts`` and
@@ -350,7 +350,9 @@ def probe_references(ssh: dict[str, Any], agent_floor: bool) -> dict[str, float]
     found = {"import_statement": float(out.split()[-1]), "import_process": wall}
     found["ssh"], _ = probe(ssh_argv(ssh, ssh["hosts"][1], ["true"]))
     if agent_floor:
-        remote = [ssh["python"], "-c", "import torch"]
+        # os._exit: the agent never exits after its import, so neither does its floor
+        # (an interpreter's exit after import torch takes most of a second here).
+        remote = [ssh["python"], "-c", "import torch, os; os._exit(0)"]
         found["ssh_import"], _ = probe(*(ssh_argv(ssh, host, remote) for host in ssh["hosts"]))
     return found
 

@@ -107,7 +107,8 @@ def format_table(rows: dict[str, dict[str, Any]]) -> list[str]:
         )
     lines.append(
         "(import torch: 'ready' = the statement, 'whole' = python -c wall time; ssh true: one"
-        " connection running `true`; ssh+import torch x2: `python -c 'import torch'` over ssh"
+        " connection running `true`; ssh+import torch x2: `python -c 'import torch'`"
+        " (then os._exit) over ssh"
         " on both hosts at once (until both end), the floor of a cold agent here; nbaccel"
         " 2 hosts 'first' = a fresh driver's first launch (SSH, agents and their import torch),"
         " 'warm' = the same driver's next launches, on the agents kept from the first;"
