@@ -63,7 +63,10 @@ class AgentLink:
         self._answer: subprocess.CompletedProcess[str] | None = None
         self._answered = threading.Event()  # the probe's line came, or the agent ended
         self._said = b""  # its stdout up to the probe's line
-        self._ended = threading.Event()  # its channel reached its end: it is gone
+        # Its channel reached its end (under the lock: the reader and hold() agree on which
+        # of them tells the holder), and the holder has been told.
+        self._gone = False
+        self._ended = threading.Event()
         self._process = subprocess.Popen(
             list(argv),
             stdin=subprocess.PIPE,
@@ -83,7 +86,7 @@ class AgentLink:
 
     @property
     def alive(self) -> bool:
-        return not self._ended.is_set()
+        return not self._gone
 
     def probe(self, timeout: float) -> subprocess.CompletedProcess[str] | None:
         """What the agent's first step said (preflight's probe), as a command's result:
@@ -97,7 +100,8 @@ class AgentLink:
             return self._early.decode(errors="replace")
 
     def wait_ended(self, timeout: float) -> bool:
-        """Wait until this link knows its agent is gone; whether it is."""
+        """Wait until this link knows its agent is gone (and has told its holder, if any);
+        whether it is."""
         return self._ended.wait(timeout)
 
     def reads_on_this_thread(self) -> bool:
@@ -114,10 +118,10 @@ class AgentLink:
             previous, self._log = self._log, log
             self._on_message, self._on_end = on_message, on_end
             self.stays = False
-            ended = self._ended.is_set()
+            gone = self._gone
         if previous is not None:
             previous.close()
-        if ended:  # it left before this launch held it: the launch hears so
+        if gone:  # it left before this launch held it: the launch hears so
             on_end(f"the agent exited with code {self._process.wait()}")
 
     def release(self) -> None:
@@ -181,11 +185,11 @@ class AgentLink:
             )
             self._answered.set()
         with self._lock:
-            self.stays = False
-            self._ended.set()
+            self.stays, self._gone = False, True
             on_end = self._on_end
         if on_end is not None:
             on_end(f"the agent exited with code {code}")
+        self._ended.set()
 
     def _read_probe(self, stdout: IO[bytes]) -> bytes | None:
         """Read up to the probe's line (a login banner may come first); the frames' bytes

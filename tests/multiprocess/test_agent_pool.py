@@ -153,3 +153,23 @@ def test_close_all_ends_every_idle_agent(pool: AgentPool, tmp_path: Path) -> Non
     pool.close_all()
     _, alive = psutil.wait_procs(processes, timeout=TIMEOUT_S)
     assert not alive and pool.idle_links() == []
+
+
+def test_a_launch_hears_of_an_agent_that_ended_before_it_subscribed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nbaccel.launcher import remote_hosts
+
+    # A one-machine agent that cannot start (as one whose interpreter breaks at once).
+    monkeypatch.setattr(remote_hosts, "AGENT_ARGV", ("-c", "import sys; sys.exit('broken')"))
+    hosts = remote_hosts.RemoteHosts(["127.0.0.1"], [1], SHELL, tmp_path, local=True)
+    try:
+        (link,) = hosts._links
+        assert link.wait_ended(TIMEOUT_S)
+        heard: list[dict[str, Any]] = []
+        hosts.subscribe("run-1", heard.append)  # after the agent's end: it is not lost
+        assert [message["op"] for message in heard] == ["helper_died"]
+        assert "exited with code 1" in heard[0]["error"] and "broken" in heard[0]["error"]
+        assert heard[0]["run"] == "run-1"
+    finally:
+        hosts.close()
