@@ -27,10 +27,10 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 from nbaccel.launcher import control
+from nbaccel.launcher.between_bytecodes import serving_while
 from nbaccel.launcher.child_processes import (
     MAX_SPARES,
     drain,
@@ -165,32 +165,16 @@ class Helper:
             channel.close()  # the spare reads EOF and exits; reap() collects it
         self.spares.clear()
 
-    @contextlib.contextmanager
-    def serving_meanwhile(self) -> Iterator[None]:
-        """A timer signal runs ``serve_mid_import`` every TICK_SECONDS while the body runs.
+    def serving_meanwhile(self) -> contextlib.AbstractContextManager[None]:
+        """``serve_mid_import`` runs as soon as the kernel writes to the control socket and
+        every TICK_SECONDS while the body (an import) runs (``between_bytecodes``)."""
+        return serving_while(self.sock.fileno(), self._tick, TICK_SECONDS)
 
-        Python runs the handler in this (only) thread between two bytecodes of whatever is
-        being imported; the import just pauses. System calls interrupted by the timer are
-        restarted, so the C code of an import does not see EINTR.
-        """
-        previous = signal.signal(signal.SIGALRM, self._tick)
-        signal.siginterrupt(signal.SIGALRM, False)
-        signal.setitimer(signal.ITIMER_REAL, TICK_SECONDS, TICK_SECONDS)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)  # disarmed before SIG_DFL could kill us
-            signal.signal(signal.SIGALRM, previous)
-
-    def _tick(self, *_: object) -> None:
-        if self.in_tick:  # the timer fired inside the handler itself
-            return
+    def _tick(self) -> None:
         self.in_tick = True
-        signal.setitimer(signal.ITIMER_REAL, 0)
         try:
             self.serve_mid_import()
         finally:
-            signal.setitimer(signal.ITIMER_REAL, TICK_SECONDS, TICK_SECONDS)
             self.in_tick = False
 
     def _wait(self, timeout: float) -> list[Any]:
@@ -293,6 +277,7 @@ class Helper:
         if pid == 0:  # the spare; never returns
             try:
                 signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGIO, signal.SIG_DFL)  # ignored here after an import
                 for fd in (self.wake_read, self.wake_write, *fds_to_close):
                     os.close(fd)
                 for other in (self.sock, ours, *(channel for _, channel in self.spares)):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,25 @@ def test_mid_import_messages_after_a_deferred_spawn_keep_their_order(
     state.serve_mid_import()
     # The stop must not overtake the spawn it is about (it would reach no worker).
     assert [m["op"] for m, _ in state.deferred] == ["spawn", "signal"]
+
+
+def test_mid_import_a_request_is_served_as_it_arrives_not_at_the_next_tick(
+    idle_helper: tuple[Helper, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nbaccel.launcher import helper_main
+
+    state, parent = idle_helper
+    state.in_tick = False
+    monkeypatch.setattr(helper_main, "TICK_SECONDS", 60.0)  # no tick within this test
+    with state.serving_meanwhile():
+        control.send(parent, {"op": "spawn", "run": "r1", "rank": 0, "processes": 2})
+        deadline = time.monotonic() + 10.0
+        while not state.deferred and time.monotonic() < deadline:
+            pass  # Python bytecodes, as an import runs them: SIGIO's handler runs between
+    assert [m["run"] for m, _ in state.deferred] == ["r1"]
+    # Afterwards the socket is quiet again: a message raises no signal.
+    control.send(parent, {"op": "signal", "run": "r1", "signal": 2, "ranks": None})
+    assert len(state.deferred) == 1
 
 
 def test_the_prewarm_thread_warms_this_side_once_the_helper_is_ready(
