@@ -56,6 +56,7 @@ class AgentLink:
         self.host = host
         self.stays = False  # its last launch ended with "done" and it waits for the next
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # frames from the pump and the reader, whole
         self._on_message: OnMessage | None = None
         self._on_end: OnEnd | None = None
         self._log: IO[bytes] | None = None  # its holder's agent log
@@ -132,12 +133,13 @@ class AgentLink:
 
     def send(self, message: dict[str, Any]) -> None:
         stdin = self._process.stdin
-        try:
-            assert stdin is not None
-            stdin.write(encode_frame(message))
-            stdin.flush()
-        except (OSError, ValueError):
-            pass  # the agent is gone; the reader reports why
+        assert stdin is not None
+        with self._send_lock:
+            try:
+                stdin.write(encode_frame(message))
+                stdin.flush()
+            except (OSError, ValueError):
+                pass  # the agent is gone; the reader reports why
 
     def close(self, *, kill: bool = False) -> None:
         """Close the agent's stdin (it stops its workers and leaves) and wait for it;
