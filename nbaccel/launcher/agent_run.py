@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
+
 
 class JobNotFormed(Exception):
     """The machines of a job launched from each machine's cell did not all meet."""
@@ -139,7 +141,10 @@ def run_host(
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
         max_restarts=int(start.get("max_restarts", 0)),
-        monitor_interval=0.1,
+        # elastic's workers wait, after the function returns, until the agent's monitor has
+        # read every return value (its _poll, once an interval). With 0.1 s a warm 2-host
+        # launch's end took 0.095-0.10 s, with 0.02 s 0.08 s (multi_host_launch.py).
+        monitor_interval=MONITOR_INTERVAL,
         start_method="fork",
         local_addr=start["local_addr"],  # None: this host's name, as torchrun
         logs_specs=DefaultLogsSpecs(log_dir=elastic_dir, redirects=Std.NONE, tee=Std.NONE),
