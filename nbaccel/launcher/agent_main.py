@@ -276,7 +276,17 @@ def _follow_kernel(
 ) -> None:
     """The only reader of the kernel's channel: queue each ``start``, obey ``signal`` frames
     (for the launch in progress; a late one, between launches, is moot); at end of input
-    (the kernel or its connection is gone), stop."""
+    (the kernel or its connection is gone), stop. If this reader breaks, nothing could stop
+    this host any more: it says why and stops too."""
+    try:
+        _obey(channel, starts)
+    except BaseException:  # noqa: BLE001 - the kernel raises it, naming this host
+        channel.send({"op": "failed", "error": traceback.format_exc()})
+    _kill_everything_and_leave()
+
+
+def _obey(channel: Channel, starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]]) -> None:
+    """``_follow_kernel``'s loop, until the end of the kernel's input."""
     global _current
     while (message := channel.receive()) is not None:
         links = _current
@@ -295,7 +305,6 @@ def _follow_kernel(
             killed = links.max_restarts and signum == signal.SIGKILL
             if killed and links.finish({}, -int(signal.SIGKILL), stays=False):
                 os._exit(0)
-    _kill_everything_and_leave()
 
 
 def _serve_one(channel: Channel, start: dict[str, Any], links: WorkerLinks) -> None:

@@ -173,3 +173,20 @@ def test_a_launch_hears_of_an_agent_that_ended_before_it_subscribed(
         assert heard[0]["run"] == "run-1"
     finally:
         hosts.close()
+
+
+def test_a_real_agent_whose_channel_reader_breaks_says_why_and_leaves(tmp_path: Path) -> None:
+    # The reader of the kernel's channel is what stops a host: if a frame breaks it, the
+    # agent must not stay on, deaf to the kernel (its workers could never be stopped).
+    from nbaccel.launcher.agent_link import AGENT_ARGV
+
+    link = AgentLink("127.0.0.1", SHELL.argv("127.0.0.1", [SHELL.python, *AGENT_ARGV]))
+    holder = Holder(link, tmp_path / "agent.log")
+    try:
+        link.send({"op": "start", "max_restarts": "not a number"})
+        assert link.wait_ended(TIMEOUT_S * 4), "the agent stayed on without its reader"
+        failed = [m for m in holder.messages if m["op"] == "failed"]
+        assert len(failed) == 1 and "ValueError" in failed[0]["error"], holder.messages
+        assert holder.ended == ["the agent exited with code 1"]
+    finally:
+        link.close()
