@@ -60,7 +60,7 @@ if found["nbaccel"] and found["torch"]:
     import runpy
     runpy.run_module("nbaccel.launcher.agent_main", run_name="__main__", alter_sys=True)
 """
-AGENT_BOOT = f"exec({_PROBE_SOURCE + _THEN_THE_AGENT!r})"
+AGENT_BOOT = f"{PROBE}; exec({_THEN_THE_AGENT!r})"  # the probe leaves ``found`` behind
 
 _STDERR_LINES = 5
 

@@ -76,7 +76,6 @@ class RemoteHosts:
         self._start: dict[str, Any] = {}
         self._unheard: list[dict[str, Any]] = []  # failures before anyone subscribed
         self._over = [threading.Event() for _ in self.hosts]  # "done", "failed" or gone
-        self._said_done = [False for _ in self.hosts]
         self._sent = [False for _ in self.hosts]  # each agent's start went out
         self._links: list[AgentLink] = []
         self._log_paths = [
@@ -144,11 +143,11 @@ class RemoteHosts:
         for index, link in enumerate(links):
             if self._sent[index] and not link.reads_on_this_thread():
                 self._over[index].wait(DONE_TIMEOUT)  # it comes right after the last exit
-        for index, link in enumerate(links):
-            if self.local or not self._said_done[index]:
+        for link in links:
+            if self.local:
                 link.release()
                 link.close()
-            else:
+            else:  # kept only if its "done" said it stays
                 AGENTS.give_back(self._shell, link)
         for log_fd, event_fd in pipes:
             _close_fd(log_fd)
@@ -226,7 +225,6 @@ class RemoteHosts:
         elif op == "failed":
             self._host_failed(index, message["error"])
         elif op == "done":
-            self._said_done[index] = True
             self._over[index].set()
 
     def _host_failed(self, index: int, reason: str) -> None:
