@@ -55,6 +55,9 @@ class AgentLink:
     def __init__(self, host: str, argv: Sequence[str]) -> None:
         self.host = host
         self.stays = False  # its last launch ended with "done" and it waits for the next
+        # Between a launch's "done" and the next "start": anything it says then belongs to no
+        # launch (the agent says "done" last; this guards the next launch all the same).
+        self._between = False
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # frames from the pump and the reader, whole
         self._on_message: OnMessage | None = None
@@ -135,6 +138,8 @@ class AgentLink:
         stdin = self._process.stdin
         assert stdin is not None
         with self._send_lock:
+            if message.get("op") == "start":
+                self._between = False
             try:
                 stdin.write(encode_frame(message))
                 stdin.flush()
@@ -170,8 +175,11 @@ class AgentLink:
         data = self._read_probe(stdout)
         while data is not None:
             for message in decoder.feed(data):
-                if message["op"] == "done":
-                    self.stays = bool(message.get("stays"))
+                if self._between:
+                    continue
+                if message["op"] == "done":  # set before the holder hears it, and so
+                    # before the next launch can send its start
+                    self.stays, self._between = bool(message.get("stays")), True
                     with self._lock:  # what it wrote before "done" is this launch's
                         self._drain_stderr()
                 with self._lock:

@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any, BinaryIO
 
@@ -100,6 +101,7 @@ class WorkerLinks:
         self.pids: dict[int, int] = {}  # rank -> its latest worker's pid
         self._forwarders: dict[int, list[threading.Thread]] = {}
         self._by_pid: dict[int, list[threading.Thread]] = {}  # one worker's forwarders
+        self._watchers: list[threading.Thread] = []  # each worker's "ended" reporter
         # The stop pipe: once written, every worker elastic starts leaves at once.
         self.stop_read, self._stop_write = os.pipe()
         self._stopping = False
@@ -125,6 +127,13 @@ class WorkerLinks:
             self.wait_forwarded(rank, DRAIN_TIMEOUT)
             status = statuses.get(rank, otherwise)
             self._channel.send({"op": "exited", "rank": rank, "status": status})
+        # "done" is this launch's last word: a worker's "ended" sent after it would reach
+        # the kernel's next launch on this agent, as the end of a rank it has not started.
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        with self._lock:
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher.join(max(0.0, deadline - time.monotonic()))
         self._channel.send({"op": "done", "stays": stays})
         return True
 
@@ -185,7 +194,12 @@ class WorkerLinks:
                     worker = {"op": "worker", "rank": rank, "pid": pid, "attempt": attempt}
                     self._channel.send(worker)
             if new:
-                threading.Thread(target=self._watch, args=(rank, pid, attempt), daemon=True).start()
+                watcher = threading.Thread(
+                    target=self._watch, args=(rank, pid, attempt), daemon=True
+                )
+                with self._lock:
+                    self._watchers.append(watcher)
+                watcher.start()
             whole = _whole_frames if op == "events" else _everything
             pending = b""
             while True:

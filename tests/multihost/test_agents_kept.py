@@ -72,11 +72,12 @@ def test_an_agent_that_left_while_idle_is_replaced_and_its_host_checked(
     ssh_hosts: SshHosts, tmp_path: Path, checked_hosts: list[list[str]]
 ) -> None:
     first = launch(ssh_hosts, tmp_path)
-    gone = psutil.Process(first[3]["agent"])  # the second host's
+    # The second host's link, taken before its agent goes (the pool then stops listing it).
+    (link,) = [link for link in AGENTS.idle_links() if link.host == ssh_hosts.hosts[1]]
+    gone = psutil.Process(first[3]["agent"])
     gone.send_signal(signal.SIGKILL)
     gone.wait(GONE_WITHIN_S)
     # Its ssh ends with it: then the pool no longer offers it.
-    (link,) = [link for link in AGENTS.idle_links() if link.host == ssh_hosts.hosts[1]]
     assert link.wait_ended(GONE_WITHIN_S)
     second = launch(ssh_hosts, tmp_path)
     assert checked_hosts[-1] == [ssh_hosts.hosts[1]]

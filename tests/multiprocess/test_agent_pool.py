@@ -33,7 +33,10 @@ while data := os.read(0, 65536):
         if message["op"] == "leave":
             os._exit(3)
         print("serving", message["run"], file=sys.stderr, flush=True)
-        os.write(1, encode_frame({"op": "done", "stays": message["stays"]}))
+        done = encode_frame({"op": "done", "stays": message["stays"]})
+        if message.get("late"):  # a worker's end said after "done", in the same write
+            done += encode_frame({"op": "ended", "rank": 0, "attempt": 0, "status": 0})
+        os.write(1, done)
 """
 
 SHELL = RemoteShell("local", python=sys.executable)
@@ -190,3 +193,17 @@ def test_a_real_agent_whose_channel_reader_breaks_says_why_and_leaves(tmp_path: 
         assert holder.ended == ["the agent exited with code 1"]
     finally:
         link.close()
+
+
+def test_what_an_agent_says_after_done_reaches_no_launch(pool: AgentPool, tmp_path: Path) -> None:
+    link = pool.take(SHELL, "node1")
+    first = Holder(link, tmp_path / "first.log")
+    link.send({"op": "start", "run": "run-1", "stays": True, "late": True})
+    assert first.over.wait(TIMEOUT_S)
+    link.release()
+    second = Holder(link, tmp_path / "second.log")
+    link.send({"op": "start", "run": "run-2", "stays": True})
+    assert second.over.wait(TIMEOUT_S)  # the late frame was read before this "done"
+    assert first.messages == [{"op": "done", "stays": True}]
+    assert second.messages == [{"op": "done", "stays": True}]
+    pool.give_back(SHELL, link)
