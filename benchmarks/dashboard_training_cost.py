@@ -109,7 +109,7 @@ def sampler_share_of_a_core(readings: int = 300) -> tuple[float, float]:
     import os
     import time
 
-    from nbaccel.ui.memory import ProcessMemory
+    from nbaccel.ui.dashboard.memory import ProcessMemory
 
     source = ProcessMemory(lambda: {0: os.getpid(), 1: os.getppid()})
     costs = []

@@ -161,7 +161,8 @@ class PhaseClock:
     preflight's end, each agent's messages, each worker's ``started`` event."""
 
     def __init__(self) -> None:
-        from nbaccel.launcher import api, remote_hosts
+        from nbaccel.launcher import api
+        from nbaccel.launcher.remote import remote_hosts
 
         self.marks: dict[str, list[float]] = {}
         place, on_message = api.place_on_hosts, remote_hosts.RemoteHosts._on_message

@@ -242,7 +242,7 @@ def marks_cost(runs: int = 5, steps: int = 1000) -> float:
     """Microseconds of CPU time the step timer's marks add to one DDP step (see above)."""
     import torch
 
-    from nbaccel.accel.step_timing import BACKWARD, OPTIMIZER, StepTimer
+    from nbaccel.accel.tracking.step_timing import BACKWARD, OPTIMIZER, StepTimer
 
     batch = (torch.zeros(BATCH, IN), torch.zeros(BATCH, dtype=torch.long))
     weight = torch.ones(4, requires_grad=True)

@@ -28,7 +28,8 @@ For each launch the kernel reports:
   pump-thread call that hands it to the dashboard or the text printer).
 * **frames** (dashboard only): wall and thread-CPU time of each PNG render on the UI
   thread (the curve with every logged point, the memory bars), timed by wrapping
-  ``nbaccel.ui.plots``' ``CurvePlot.render`` and ``MemoryBars.render`` in the kernel, apart
+  ``nbaccel.ui.dashboard.plots``' ``CurvePlot.render`` and ``MemoryBars.render`` in the
+  kernel, apart
   for frames that only blit the data onto the cached axes and frames that redraw the axes
   (the data left them: a few per launch). The dashboard's UI thread CPU is also split into
   applying events, text writes and frames (its private methods, wrapped the same way).
@@ -184,8 +185,8 @@ def measure_in_kernel(
 
     with contextlib.ExitStack() as stack:
         if variant == "dashboard":
-            from nbaccel.ui import plots
-            from nbaccel.ui.dashboard import Dashboard
+            from nbaccel.ui.dashboard import plots
+            from nbaccel.ui.dashboard.board import Dashboard
 
             stack.enter_context(_timed(plots.CurvePlot, "render", timings["curve"]))
             stack.enter_context(_timed(plots.MemoryBars, "render", timings["memory"]))
@@ -341,8 +342,8 @@ def collect(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 def frame_times(count: int) -> dict[str, list[list[float]]]:
     """[wall, CPU] seconds per frame rendered here, without a kernel or workers: a 1000-point
     curve and 8 memory bars (FACTS.md's case), the first two frames (axes) left out."""
-    from nbaccel.ui import plots
-    from nbaccel.ui.dashboard_model import MemoryReading
+    from nbaccel.ui.dashboard import plots
+    from nbaccel.ui.dashboard.model import MemoryReading
 
     curve, bars = plots.CurvePlot(), plots.MemoryBars()
     steps = list(range(1000))

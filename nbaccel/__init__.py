@@ -28,6 +28,7 @@ from nbaccel.ui.kernel import in_kernel as _in_kernel
 
 if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.accel import Accelerator, DistributedType
+    from nbaccel.accel.data.skip_batches import skip_first_batches
     from nbaccel.accel.partial_state import AcceleratorState, PartialState
     from nbaccel.accel.refusals import (
         ParallelismConfig,
@@ -40,9 +41,8 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
         load_checkpoint_in_model,
         prepare_pippy,
     )
-    from nbaccel.accel.skip_batches import skip_first_batches
-    from nbaccel.config.accelerator_configs import DataLoaderConfiguration
-    from nbaccel.config.kwargs_handlers import (
+    from nbaccel.config.accelerate.configs import DataLoaderConfiguration
+    from nbaccel.config.accelerate.kwargs_handlers import (
         AutocastKwargs,
         DDPCommunicationHookType,
         DistributedDataParallelKwargs,
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
         InitProcessGroupKwargs,
         ProfileKwargs,
     )
-    from nbaccel.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from nbaccel.config.accelerate.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from nbaccel.config.resolve import resolve
     from nbaccel.config.schema import Config
     from nbaccel.context import ProcessContext, active_session
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.launcher.run import Run
     from nbaccel.launching import debug_launcher, launch, notebook_launcher
     from nbaccel.metrics import log_metrics
-    from nbaccel.ui.config_panel import ConfigPanel  # ipywidgets: loaded on first use too
+    from nbaccel.ui.panel.config_panel import ConfigPanel  # ipywidgets: loaded on first use too
     from nbaccel.utils.availability import is_rich_available
     from nbaccel.utils.memory import find_executable_batch_size
     from nbaccel.utils.modeling import init_empty_weights, init_on_device
@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
 # torch-free. Accelerate's top-level config objects are torch-free, loaded so all the same.
 _LAZY = {
     "Config": "nbaccel.config.schema",
-    "ConfigPanel": "nbaccel.ui.config_panel",  # ipywidgets
+    "ConfigPanel": "nbaccel.ui.panel.config_panel",  # ipywidgets
     "ProcessContext": "nbaccel.context",
     "Run": "nbaccel.launcher.run",
     "RunState": "nbaccel.events",
@@ -83,19 +83,19 @@ _LAZY = {
     "resolve": "nbaccel.config.resolve",
     "runs": "nbaccel.detached_runs",
     "Accelerator": "nbaccel.accel",
-    "AutocastKwargs": "nbaccel.config.kwargs_handlers",
-    "DDPCommunicationHookType": "nbaccel.config.kwargs_handlers",
-    "DataLoaderConfiguration": "nbaccel.config.accelerator_configs",
-    "DeepSpeedPlugin": "nbaccel.config.plugins",
-    "DistributedDataParallelKwargs": "nbaccel.config.kwargs_handlers",
-    "FullyShardedDataParallelPlugin": "nbaccel.config.plugins",
-    "GradScalerKwargs": "nbaccel.config.kwargs_handlers",
-    "InitProcessGroupKwargs": "nbaccel.config.kwargs_handlers",
-    "ProfileKwargs": "nbaccel.config.kwargs_handlers",
+    "AutocastKwargs": "nbaccel.config.accelerate.kwargs_handlers",
+    "DDPCommunicationHookType": "nbaccel.config.accelerate.kwargs_handlers",
+    "DataLoaderConfiguration": "nbaccel.config.accelerate.configs",
+    "DeepSpeedPlugin": "nbaccel.config.accelerate.plugins",
+    "DistributedDataParallelKwargs": "nbaccel.config.accelerate.kwargs_handlers",
+    "FullyShardedDataParallelPlugin": "nbaccel.config.accelerate.plugins",
+    "GradScalerKwargs": "nbaccel.config.accelerate.kwargs_handlers",
+    "InitProcessGroupKwargs": "nbaccel.config.accelerate.kwargs_handlers",
+    "ProfileKwargs": "nbaccel.config.accelerate.kwargs_handlers",
     "DistributedType": "nbaccel.accel",
     "PartialState": "nbaccel.accel.partial_state",
     "AcceleratorState": "nbaccel.accel.partial_state",
-    "skip_first_batches": "nbaccel.accel.skip_batches",
+    "skip_first_batches": "nbaccel.accel.data.skip_batches",
     "find_executable_batch_size": "nbaccel.utils.memory",
     "init_empty_weights": "nbaccel.utils.modeling",
     "init_on_device": "nbaccel.utils.modeling",

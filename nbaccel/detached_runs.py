@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 
 from nbaccel.config.resolve import resolve
-from nbaccel.launcher.attached import AttachedRun
+from nbaccel.launcher.detached.attached import AttachedRun
+from nbaccel.launcher.detached.run_listing import RunsTable, find_run, list_runs
 from nbaccel.launcher.run import Run
-from nbaccel.launcher.run_listing import RunsTable, find_run, list_runs
 from nbaccel.ui.choose import choose_display
 
 

@@ -125,7 +125,7 @@ class StepBreakdown:
     """A rank's training steps over one window (about 0.5 s): where their time went.
 
     ``phases``: seconds per phase (data, forward, backward, communication, optimizer,
-    other; see ``nbaccel.accel.step_timing``), summed over the ``steps``; together they are
+    other; see ``nbaccel.accel.tracking.step_timing``), summed over the ``steps``; together they are
     the steps' time. ``samples``/``tokens``: what the steps took (``tokens``: positions of
     ``input_ids``, None without them). ``peak_memory``: bytes per phase where the device
     reports it (CUDA), else None.

@@ -58,7 +58,7 @@ def notebook_launcher(
     A drop-in for ``accelerate.notebook_launcher``: the same first three arguments, and its
     keywords (``mixed_precision``, ``use_port``, ``master_addr``, ``node_rank``, ``num_nodes``,
     ``rdzv_backend``, ...) mapped onto the config or refused with the reason
-    (``nbaccel.config.launcher_keywords``). Any Config field is a keyword too. A failing
+    (``nbaccel.config.accelerate.launcher_keywords``). Any Config field is a keyword too. A failing
     rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
     the worker's traceback chained. An interrupt stops every worker and re-raises.
 

@@ -21,24 +21,21 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel import (
-    ddp_controls,
-    device_map,
-    strategies,
-)
+from nbaccel.accel import strategies
 from nbaccel.accel.checkpointing import Checkpoints
 from nbaccel.accel.communication import Communication
+from nbaccel.accel.data.skip_batches import skip_first_batches
 from nbaccel.accel.forwarding import option, part_member, settable
 from nbaccel.accel.optim import GradientState
 from nbaccel.accel.partial_state import AcceleratorState
 from nbaccel.accel.preparation import Prepared
 from nbaccel.accel.refusals import refuse_arguments, refuse_members
-from nbaccel.accel.skip_batches import skip_first_batches
 from nbaccel.accel.state import DistributedType, launch_config
-from nbaccel.accel.tracking import Tracking
+from nbaccel.accel.strategies import ddp_controls, device_map
+from nbaccel.accel.tracking.tracking import Tracking
 from nbaccel.accel.training_step import TrainingStep
+from nbaccel.config.accelerate.kwargs_handlers import collect_handlers
 from nbaccel.config.accelerator_options import apply_accelerator_arguments
-from nbaccel.config.kwargs_handlers import collect_handlers
 from nbaccel.config.schema import Config, flatten
 from nbaccel.metrics import report_settings
 

@@ -17,10 +17,10 @@ from typing import IO, Any
 
 import torch
 
-from nbaccel.accel import checkpoint, saving
+from nbaccel.accel.checkpoints import checkpoint, saving
 from nbaccel.accel.optim import GradientState
 from nbaccel.accel.preparation import Prepared
-from nbaccel.config.accelerator_configs import ProjectConfiguration
+from nbaccel.config.accelerate.configs import ProjectConfiguration
 
 # Accelerate's hook signatures: save(models, weights, output_dir), load(models, input_dir).
 SaveHook = Callable[[list[torch.nn.Module], list[dict[str, Any]], str], None]

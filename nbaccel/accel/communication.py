@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.accel import collectives
+from nbaccel.accel.nested import collectives
 from nbaccel.accel.optim import GradientState
 from nbaccel.accel.strategies import Strategy
 from nbaccel.accel.trigger import TriggerFlag

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel.step_timing import OPTIMIZER, StepTimer, disabled_timer
+from nbaccel.accel.tracking.step_timing import OPTIMIZER, StepTimer, disabled_timer
 
 
 @dataclass

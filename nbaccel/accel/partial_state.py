@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from nbaccel.accel.process_split import split_for_process
+from nbaccel.accel.data.process_split import split_for_process
 from nbaccel.accel.state import DistributedType, ProcessState, launch_config
 from nbaccel.accel.strategies import Strategy, detect_process_state, strategy_for
 from nbaccel.config.schema import Config, DeepSpeedOptions, FSDPOptions

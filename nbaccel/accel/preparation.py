@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from nbaccel.accel import rng_sync, sharding
-from nbaccel.accel.data import (
+from nbaccel.accel.data import rng_sync
+from nbaccel.accel.data.loaders import (
     PreparedDataLoader,
     PreparedIterableLoader,
     ShardPlan,
@@ -38,8 +38,8 @@ from nbaccel.accel.data import (
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler, GradientState
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType
-from nbaccel.accel.strategies import Strategy
-from nbaccel.config.deepspeed_placeholders import DummyOptim, DummyScheduler
+from nbaccel.accel.strategies import Strategy, sharding
+from nbaccel.config.deepspeed.placeholders import DummyOptim, DummyScheduler
 from nbaccel.metrics import report_model
 
 _SCHEDULER_TYPES: tuple[type, ...] = (

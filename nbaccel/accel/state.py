@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from nbaccel.config.accelerate_enums import (
+from nbaccel.config.accelerate.enums import (
     DistributedType as DistributedType,  # importers use this path
 )
 from nbaccel.config.resolve import resolve

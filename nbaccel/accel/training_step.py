@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel import ddp_controls, lomo
+from nbaccel.accel import lomo
 from nbaccel.accel.optim import AcceleratedOptimizer, GradientState
 from nbaccel.accel.preparation import Prepared
-from nbaccel.accel.step_timing import BACKWARD, OPTIMIZER
+from nbaccel.accel.strategies import ddp_controls
+from nbaccel.accel.tracking.step_timing import BACKWARD, OPTIMIZER
 
 
 class TrainingStep:

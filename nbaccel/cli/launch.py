@@ -18,8 +18,8 @@ from typing import Any
 
 import nbaccel
 from nbaccel.cli.flags import add_config_flags, resolve_flags
+from nbaccel.launcher.bootstrap.script import run_script
 from nbaccel.launcher.run_folder import make_run_dir
-from nbaccel.launcher.script import run_script
 
 # `nbaccel launch`'s own defaults (a file, env or flag still wins): scripts written for
 # torchrun call init_process_group() themselves, and a terminal shows every rank, labelled.
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        from nbaccel.launcher.elastic import launch_machines
+        from nbaccel.launcher.remote.elastic import launch_machines
 
         # One folder per machine: several "machines" may share a host and a working folder.
         # A random part, as every run id has: two launches in one second must not collide.

@@ -24,7 +24,8 @@ Precedence, as Accelerate 1.15 decides it (``Accelerator.__init__`` and the plug
    ``dynamo_backend`` and the ``dynamo`` section, each left at None keeps the launch's.
    ``InitProcessGroupKwargs.timeout`` sets ``collective_timeout``.
 5. ``fsdp_plugin`` / ``deepspeed_plugin`` select their strategy whatever the launch said, and
-   fill the config as ``nbaccel.config.plugins`` describes (set on the plugin: wins; unset:
+   fill the config as ``nbaccel.config.accelerate.plugins`` describes (set on the plugin:
+   wins; unset:
    the launch's value if the launch chose it, else Accelerate's default). A DeepSpeed
    plugin's ``gradient_accumulation_steps`` and ``gradient_clipping`` win over everything
    (Accelerate: "Using DeepSpeed's value").
@@ -42,15 +43,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.config.accelerator_configs import (
+from nbaccel.config.accelerate.configs import (
     DataLoaderConfiguration,
     ProjectConfiguration,
     resolve_dataloader,
     resolve_project,
     resolve_rng_types,
 )
-from nbaccel.config.deepspeed import deepspeed_config
-from nbaccel.config.kwargs_handlers import (
+from nbaccel.config.accelerate.kwargs_handlers import (
     GradientAccumulationPlugin,
     KwargsHandler,
     ProfileKwargs,
@@ -58,7 +58,12 @@ from nbaccel.config.kwargs_handlers import (
     collect_handlers,
     foreign_type,
 )
-from nbaccel.config.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, plugin_settings
+from nbaccel.config.accelerate.plugins import (
+    DeepSpeedPlugin,
+    FullyShardedDataParallelPlugin,
+    plugin_settings,
+)
+from nbaccel.config.deepspeed.settings import deepspeed_config
 from nbaccel.config.resolve import Resolved
 from nbaccel.config.schema import Config, check_names, flatten
 from nbaccel.errors import ConfigError
@@ -128,7 +133,7 @@ def apply_accelerator_arguments(
     ``explicit``: Accelerate's own config arguments (``mixed_precision``, ``cpu``, ...) or
     any config field by its flat name; None means "not given".
 
-    >>> from nbaccel.config.kwargs_handlers import DistributedDataParallelKwargs
+    >>> from nbaccel.config.accelerate.kwargs_handlers import DistributedDataParallelKwargs
     >>> options = apply_accelerator_arguments(
     ...     Config(mixed_precision="bf16"),
     ...     fsdp_plugin=FullyShardedDataParallelPlugin(reshard_after_forward=False),

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nbaccel.config.accelerate_compat import from_accelerate_yaml, looks_like_accelerate
+from nbaccel.config.accelerate.compat import from_accelerate_yaml, looks_like_accelerate
 from nbaccel.config.schema import Config, check_names, flatten, options, sections
 from nbaccel.env_names import HOME_VAR
 from nbaccel.errors import ConfigError

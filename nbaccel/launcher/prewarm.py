@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Mapping
 
 from nbaccel.env_names import PREWARM_VAR
-from nbaccel.launcher.helper import HELPER_START_TIMEOUT_S, shared_helper
+from nbaccel.launcher.local.helper import HELPER_START_TIMEOUT_S, shared_helper
 
 # The words nbaccel's boolean options take (nbaccel.config.field_values.parse_text).
 _ON = frozenset({"", "1", "true", "yes", "on", "y"})
@@ -65,7 +65,7 @@ def prewarm(env: Mapping[str, str], *, in_kernel: bool) -> threading.Thread | No
     What ``import nbaccel`` calls, with ``in_kernel`` from ``nbaccel.ui.kernel.in_kernel()``.
     A driver that is not a kernel (``benchmarks/launch_latency.py``) calls it with
     ``in_kernel=True`` to get exactly what a kernel gets. The helper is the one every
-    launch of this process uses (``nbaccel.launcher.helper.shared_helper``); it exits with
+    launch of this process uses (``nbaccel.launcher.local.helper.shared_helper``); it exits with
     this process, launched or not.
 
     Once the helper is ready, the thread warms this process's side of a launch too

@@ -51,10 +51,10 @@ from nbaccel.events import (
     WorkerMessage,
     WorkerStarted,
 )
-from nbaccel.launcher.arbiter import Arbiter
-from nbaccel.launcher.failures import Failure, build_error
+from nbaccel.launcher.outcome.arbiter import Arbiter
+from nbaccel.launcher.outcome.failures import Failure, build_error
+from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.output import LineSplitter, render
-from nbaccel.launcher.restarts import Attempts
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan

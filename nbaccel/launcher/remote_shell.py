@@ -4,7 +4,7 @@ Two ways: the system ``ssh`` (batch mode, the user's ``~/.ssh/config`` and known
 decide everything else) or, inside a Slurm allocation, one ``srun`` step per node. A third,
 ``local``, runs the command on this machine as it is: a one-machine launch with
 ``max_restarts`` runs its workers under the same agent, torch elastic restarting them.
-``nbaccel.launcher.preflight`` checks every host through it before anything starts there.
+``nbaccel.launcher.remote.preflight`` checks every host through it before anything starts there.
 Stdlib only: this runs in the kernel, which never imports torch.
 """
 

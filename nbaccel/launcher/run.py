@@ -21,9 +21,9 @@ from typing import Any
 from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import RunStarted, RunState
-from nbaccel.launcher.arbiter import Arbiter
+from nbaccel.launcher.outcome.arbiter import Arbiter
+from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
-from nbaccel.launcher.restarts import Attempts
 from nbaccel.launcher.run_folder import private_file, read_metrics
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan

@@ -9,15 +9,13 @@ then matplotlib on the dashboard's own thread) only when widgets are shown.
   as the ``show`` callback the launcher calls with the new run.
 - ``attach``: ``attach_dashboard(run, ...)`` (what a launch in a kernel does) and
   ``dashboard_for(run)``, to find a run's dashboard again.
-- ``dashboard``: ``Dashboard``, the run subscriber and its UI thread (all widget writes).
-- ``dashboard_widgets``: the widget tree, each part tagged with an ``nbaccel-*`` CSS class.
-- ``dashboard_model``: the dashboard's state built from run events (plain data);
-  ``dashboard_parts`` its building blocks (memory readings, log tails, series, failures).
-- ``dashboard_output``: the dashboard's cell outputs (the widgets, then the static summary).
-- ``compare``: earlier runs of the same ``runs_dir``, overlaid on the curve when picked.
-- ``dashboard_text``: the header line, the summary text and the widgets' HTML.
-- ``memory``: memory readings in the parent (NVML per GPU, psutil per CPU worker).
-- ``plots``: PNG frames (curves, memory bars, the final summary) with matplotlib's Agg.
-- ``config_panel``, ``config_widgets``: ``nbaccel.ConfigPanel``; ``config_groups``: its
-  groups (as the wizard asks) and the fields this machine makes irrelevant.
+- ``dashboard/``: the live dashboard — ``board.Dashboard`` (the run subscriber and its UI
+  thread, which makes every widget write), ``widgets`` (the widget tree, each part tagged
+  with an ``nbaccel-*`` CSS class), ``model`` (its state built from run events, plain data)
+  and ``parts`` (memory readings, log tails, series, failures), ``cell_output`` (what the
+  cell shows, then the static summary), ``compare`` (earlier runs of the same
+  ``runs_dir``), ``text`` (header, summary, HTML), ``memory`` (NVML per GPU, psutil per CPU
+  worker), ``plots`` (PNG frames with matplotlib's Agg) and ``step_panel``.
+- ``panel/``: ``nbaccel.ConfigPanel`` (``config_panel``, ``config_widgets``) and its groups
+  as the wizard asks them (``config_groups``).
 """

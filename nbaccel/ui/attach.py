@@ -20,10 +20,10 @@ from typing import Any
 
 from nbaccel.events import DeviceMemory, Event
 from nbaccel.launcher.run import Run
-from nbaccel.ui.dashboard import Dashboard
-from nbaccel.ui.dashboard_model import DashboardModel
+from nbaccel.ui.dashboard.board import Dashboard
+from nbaccel.ui.dashboard.memory import MemorySampler, ReportedMemory, memory_source
+from nbaccel.ui.dashboard.model import DashboardModel
 from nbaccel.ui.kernel import in_kernel
-from nbaccel.ui.memory import MemorySampler, ReportedMemory, memory_source
 
 _dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictionary()
 MAX_LIVE_DASHBOARDS = 8  # beyond this many, the oldest dashboards close

@@ -22,6 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nbaccel.accel.data.skip_batches import skip_first_batches
     from nbaccel.accel.refusals import (
         AORecipeKwargs,
         FP8RecipeKwargs,
@@ -30,13 +31,11 @@ if TYPE_CHECKING:
         TERecipeKwargs,
         TorchTensorParallelPlugin,
     )
-    from nbaccel.accel.skip_batches import skip_first_batches
     from nbaccel.accel.state import DistributedType
-    from nbaccel.config.accelerate_enums import DynamoBackend, LoggerType, PrecisionType, RNGType
-    from nbaccel.config.accelerator_configs import DataLoaderConfiguration, ProjectConfiguration
-    from nbaccel.config.deepspeed_placeholders import DummyOptim, DummyScheduler
-    from nbaccel.config.fsdp_plugin import FullyShardedDataParallelPlugin
-    from nbaccel.config.kwargs_handlers import (
+    from nbaccel.config.accelerate.configs import DataLoaderConfiguration, ProjectConfiguration
+    from nbaccel.config.accelerate.enums import DynamoBackend, LoggerType, PrecisionType, RNGType
+    from nbaccel.config.accelerate.fsdp_plugin import FullyShardedDataParallelPlugin
+    from nbaccel.config.accelerate.kwargs_handlers import (
         AutocastKwargs,
         DDPCommunicationHookType,
         DistributedDataParallelKwargs,
@@ -47,7 +46,8 @@ if TYPE_CHECKING:
         ProfileKwargs,
         TorchDynamoPlugin,
     )
-    from nbaccel.config.plugins import DeepSpeedPlugin
+    from nbaccel.config.accelerate.plugins import DeepSpeedPlugin
+    from nbaccel.config.deepspeed.placeholders import DummyOptim, DummyScheduler
     from nbaccel.utils.availability import (
         is_bf16_available,
         is_cuda_available,
@@ -99,7 +99,7 @@ _HANDLERS = (
 # Each name, by the module that defines it (imported on first use).
 _DEFINED_IN = {
     "DistributedType": "nbaccel.accel.state",
-    "skip_first_batches": "nbaccel.accel.skip_batches",
+    "skip_first_batches": "nbaccel.accel.data.skip_batches",
     **dict.fromkeys(
         (
             "broadcast",
@@ -143,17 +143,17 @@ _DEFINED_IN = {
         "nbaccel.utils.availability",
     ),
     # -- Accelerate's plugins, kwargs handlers and configuration classes (torch-free) -------
-    "DeepSpeedPlugin": "nbaccel.config.plugins",
-    "FullyShardedDataParallelPlugin": "nbaccel.config.fsdp_plugin",
-    **dict.fromkeys(_HANDLERS, "nbaccel.config.kwargs_handlers"),
+    "DeepSpeedPlugin": "nbaccel.config.accelerate.plugins",
+    "FullyShardedDataParallelPlugin": "nbaccel.config.accelerate.fsdp_plugin",
+    **dict.fromkeys(_HANDLERS, "nbaccel.config.accelerate.kwargs_handlers"),
     **dict.fromkeys(
-        ("ProjectConfiguration", "DataLoaderConfiguration"), "nbaccel.config.accelerator_configs"
+        ("ProjectConfiguration", "DataLoaderConfiguration"), "nbaccel.config.accelerate.configs"
     ),
     **dict.fromkeys(
         ("DynamoBackend", "LoggerType", "PrecisionType", "RNGType"),
-        "nbaccel.config.accelerate_enums",
+        "nbaccel.config.accelerate.enums",
     ),
-    **dict.fromkeys(("DummyOptim", "DummyScheduler"), "nbaccel.config.deepspeed_placeholders"),
+    **dict.fromkeys(("DummyOptim", "DummyScheduler"), "nbaccel.config.deepspeed.placeholders"),
     # Refused by name: using one raises NotImplementedError with the reason (accel/refusals.py).
     **dict.fromkeys(
         (

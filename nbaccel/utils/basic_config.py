@@ -3,7 +3,7 @@
 It writes what ``accelerate config default`` writes, where Accelerate keeps it
 (``$HF_HOME/accelerate/default_config.yaml``, else under ``$XDG_CACHE_HOME`` or ``~/.cache``),
 so both tools read the same file: ``accelerate launch`` directly, and nbaccel's ``resolve``
-through its reader of Accelerate's schema (``nbaccel.config.accelerate_compat``) when there is
+through its reader of Accelerate's schema (``nbaccel.config.accelerate.compat``) when there is
 no nbaccel default file. The content is Accelerate's: JSON (which YAML readers take too), one
 process per visible GPU and ``MULTI_GPU`` with more than one, else one CPU process.
 
@@ -54,7 +54,7 @@ def write_basic_config(
         return False
     precision = str(getattr(mixed_precision, "value", mixed_precision)).lower()
     if precision == "fp8":
-        from nbaccel.config.accelerate_enums import PrecisionType
+        from nbaccel.config.accelerate.enums import PrecisionType
 
         raise NotImplementedError(
             f"write_basic_config(mixed_precision={PrecisionType.FP8.value!r}): fp8 training "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.accel.models import unwrap_model
+from nbaccel.accel.strategies.models import unwrap_model
 
 __all__ = ["extract_model_from_parallel", "init_empty_weights", "init_on_device"]
 

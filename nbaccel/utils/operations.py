@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbaccel.accel import collectives
-from nbaccel.accel.collectives import tree_map
+from nbaccel.accel.nested import collectives
+from nbaccel.accel.nested.collectives import tree_map
 from nbaccel.accel.partial_state import PartialState
 from nbaccel.accel.state import DistributedType
 from nbaccel.accel.strategies import Strategy

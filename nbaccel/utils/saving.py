@@ -1,6 +1,6 @@
 """``accelerate.utils.save``: ``torch.save`` (or safetensors) from one process, module-level.
 
-The same writer as ``Accelerator.save`` (``nbaccel.accel.saving``), for code that has no
+The same writer as ``Accelerator.save`` (``nbaccel.accel.checkpoints.saving``), for code that has no
 ``Accelerator`` at hand: which process this is comes from ``PartialState()``, as in
 Accelerate. Call it on every rank; only the main process (or, with ``save_on_each_node``,
 each machine's local main process) writes, the others return at once.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import IO, Any
 
-from nbaccel.accel import saving
+from nbaccel.accel.checkpoints import saving
 from nbaccel.accel.partial_state import PartialState
 
 __all__ = ["save"]

@@ -8,7 +8,7 @@ log and loss curve must change without any browser action; after the run, the he
 ``final.png``: the page; ``final-output.png``: the launch cell's whole output).
 
 The dashboard's parts are found by their CSS classes (``nbaccel-*``,
-``nbaccel/ui/dashboard_widgets.py``); the summary by its text ("nbaccel run <id>: ...").
+``nbaccel/ui/dashboard/widgets.py``); the summary by its text ("nbaccel run <id>: ...").
 """
 
 from __future__ import annotations

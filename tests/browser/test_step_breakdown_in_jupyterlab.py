@@ -2,7 +2,7 @@
 
 A 2-process DDP training over a prepared DataLoader of ``input_ids`` batches runs for a few
 seconds from a cell (``nbaccel.launch``). While it runs, the dashboard's step panel
-(``.nbaccel-steps``, ``nbaccel/ui/step_panel.py``) must show a row per rank with its step
+(``.nbaccel-steps``, ``nbaccel/ui/dashboard/step_panel.py``) must show a row per rank with its step
 time and a bar stacked by phase, throughput in samples/s and tokens/s, and the straggler
 line; at the end the static summary names the step time. Screenshots:
 ``browser-artifacts/test_the_dashboard_explains_the_step/`` (``steps-running.png``: the

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.launcher.agent_link import AGENTS
+from nbaccel.launcher.remote.agent_link import AGENTS
 from tests.multihost.sshd import SSHD, SshHosts, keygen, serve
 
 __all__ = ["SshHosts", "keygen", "ssh_hosts"]

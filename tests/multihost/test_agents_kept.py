@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 import nbaccel
-from nbaccel.launcher import agent_link
-from nbaccel.launcher.agent_link import AGENTS
+from nbaccel.launcher.remote import agent_link
+from nbaccel.launcher.remote.agent_link import AGENTS
 from tests.multihost.conftest import SshHosts
 from tests.multihost.test_hosts_launch import GONE_WITHIN_S, RUN_TIMEOUT_S, on_hosts
 

@@ -25,8 +25,8 @@ import pytest
 
 import nbaccel
 from nbaccel.events import DeviceMemory, Event, WorkerStarted
-from nbaccel.launcher.agent_link import AGENTS
-from nbaccel.ui.memory import ReportedMemory
+from nbaccel.launcher.remote.agent_link import AGENTS
+from nbaccel.ui.dashboard.memory import ReportedMemory
 from tests.multihost.conftest import SshHosts
 
 GONE_WITHIN_S = 25.0  # issue 15's goal is 5 s

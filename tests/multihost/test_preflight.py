@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from nbaccel.errors import ConfigError
-from nbaccel.launcher.agent_link import AgentPool
-from nbaccel.launcher.preflight import HostInfo, local_versions
+from nbaccel.launcher.remote.agent_link import AgentPool
+from nbaccel.launcher.remote.preflight import HostInfo, local_versions
 from nbaccel.launcher.remote_shell import RemoteShell
 from tests.multihost.conftest import SshHosts, keygen
 

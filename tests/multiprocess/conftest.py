@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.launcher.helper import shutdown_shared_helper
+from nbaccel.launcher.local.helper import shutdown_shared_helper
 
 
 @pytest.fixture

@@ -103,7 +103,7 @@ def save_twice_dying_in_the_second(checkpoint: str, victim: int, file_prefix: st
 
     import torch
 
-    import nbaccel.accel.checkpoint as ckpt
+    import nbaccel.accel.checkpoints.checkpoint as ckpt
 
     torch.manual_seed(0)
     acc = nbaccel.Accelerator()

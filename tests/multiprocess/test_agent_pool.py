@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from nbaccel.launcher.agent_link import AgentLink, AgentPool
+from nbaccel.launcher.remote.agent_link import AgentLink, AgentPool
 from nbaccel.launcher.remote_shell import RemoteShell
 
 TIMEOUT_S = 30.0
@@ -161,7 +161,7 @@ def test_close_all_ends_every_idle_agent(pool: AgentPool, tmp_path: Path) -> Non
 def test_a_launch_hears_of_an_agent_that_ended_before_it_subscribed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nbaccel.launcher import remote_hosts
+    from nbaccel.launcher.remote import remote_hosts
 
     # A one-machine agent that cannot start (as one whose interpreter breaks at once).
     monkeypatch.setattr(remote_hosts, "AGENT_ARGV", ("-c", "import sys; sys.exit('broken')"))
@@ -181,7 +181,7 @@ def test_a_launch_hears_of_an_agent_that_ended_before_it_subscribed(
 def test_a_real_agent_whose_channel_reader_breaks_says_why_and_leaves(tmp_path: Path) -> None:
     # The reader of the kernel's channel is what stops a host: if a frame breaks it, the
     # agent must not stay on, deaf to the kernel (its workers could never be stopped).
-    from nbaccel.launcher.agent_link import AGENT_ARGV
+    from nbaccel.launcher.remote.agent_link import AGENT_ARGV
 
     link = AgentLink("127.0.0.1", SHELL.argv("127.0.0.1", [SHELL.python, *AGENT_ARGV]))
     holder = Holder(link, tmp_path / "agent.log")

@@ -79,7 +79,7 @@ def test_what_the_helper_preloads_never_touches_cuda(tmp_path: Path) -> None:
         "for name in ('is_available', '_lazy_init', 'device_count', 'init',\n"
         "             'get_device_properties', 'get_device_capability', 'current_device'):\n"
         "    setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n))\n"
-        "from nbaccel.launcher.helper_main import PRELOAD, WARM_LATER\n"
+        "from nbaccel.launcher.local.helper_main import PRELOAD, WARM_LATER\n"
         "for module in PRELOAD + WARM_LATER:\n"
         "    __import__(module)\n"
         "print('CUDA_CALLS', calls)\n"

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import nbaccel
-from nbaccel.launcher.helper import shared_helper
+from nbaccel.launcher.local.helper import shared_helper
 
 pytestmark = pytest.mark.timeout(240)
 INTERRUPT_BOUND_SECONDS = 15.0  # 5x the 3-second goal

@@ -295,7 +295,7 @@ def test_state_while_running_and_stop(runs_dir: str) -> None:
 
 
 def test_helper_death_fails_the_run_and_the_next_launch_recovers(runs_dir: str) -> None:
-    from nbaccel.launcher.helper import shared_helper
+    from nbaccel.launcher.local.helper import shared_helper
 
     def wait_forever() -> None:
         import time
@@ -316,7 +316,7 @@ def test_helper_death_fails_the_run_and_the_next_launch_recovers(runs_dir: str) 
 
 
 def test_a_crash_inside_the_helper_reaches_the_cell_with_its_traceback(runs_dir: str) -> None:
-    from nbaccel.launcher.helper import shared_helper
+    from nbaccel.launcher.local.helper import shared_helper
 
     def wait_forever() -> None:
         import time

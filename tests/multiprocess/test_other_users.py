@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nbaccel.launcher import control
-from nbaccel.launcher.xla_supervisor import Handout
+from nbaccel.launcher.xla.supervisor import Handout
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,7 +169,7 @@ class FakeRun:
 def test_a_detached_runs_attach_channel_serves_only_this_user(shared_tmp: Path) -> None:
     # The supervisor's abstract socket name is listed in /proc/net/unix for every user.
     from nbaccel.events import FrameDecoder, Metric
-    from nbaccel.launcher.attach_server import AttachServer
+    from nbaccel.launcher.detached.attach_server import AttachServer
 
     prefix = as_another_user()
     server, run = AttachServer(), FakeRun()

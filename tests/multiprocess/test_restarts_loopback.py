@@ -71,7 +71,7 @@ def check_loopback_only(worker_pids: list[int]) -> None:
     workers = [psutil.Process(pid) for pid in worker_pids]
     agent = workers[0].parent()
     assert agent is not None
-    assert "nbaccel.launcher.agent_main" in " ".join(agent.cmdline())
+    assert "nbaccel.launcher.remote.agent_main" in " ".join(agent.cmdline())
     assert all(w.parent() == agent for w in workers)  # elastic forks them from the agent
     seen = {f"agent {agent.pid}": listening(agent)}
     seen |= {f"rank {rank} ({w.pid})": listening(w) for rank, w in enumerate(workers)}

@@ -400,7 +400,7 @@ def train_hybrid(processes_per_machine: int) -> dict[str, Any]:
 
     import torch
 
-    from nbaccel.accel import sharding
+    from nbaccel.accel.strategies import sharding
     from nbaccel.config.sections import FSDPOptions
 
     acc = nbaccel.Accelerator()  # only for rank and device: sharding is applied directly
@@ -439,7 +439,7 @@ def save_twice_dying_inside_dcp(checkpoint: str, victim: int) -> None:
 
     import torch
 
-    import nbaccel.accel.sharded_checkpoint as sharded
+    import nbaccel.accel.checkpoints.sharded_checkpoint as sharded
 
     acc = nbaccel.Accelerator()
     model = blocks_model()

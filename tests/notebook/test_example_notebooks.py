@@ -150,7 +150,7 @@ def _recording_client(updates: list[Update], restarts: list[Restart]) -> type[No
             supervisors = [
                 child
                 for child in old.children()
-                if "nbaccel.launcher.supervisor_main" in " ".join(child.cmdline())
+                if "nbaccel.launcher.detached.supervisor_main" in " ".join(child.cmdline())
             ]
             await self.km.restart_kernel(now=True)
             await self.kc.wait_for_ready(timeout=self.startup_timeout)

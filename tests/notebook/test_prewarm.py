@@ -2,7 +2,7 @@
 
 Each test starts a kernel with jupyter_client, imports nbaccel in it and looks at the
 kernel's children with psutil (every wait bounded): the helper (``python -m
-nbaccel.launcher.helper_main``) appears without a launch, the first launch's workers are
+nbaccel.launcher.local.helper_main``) appears without a launch, the first launch's workers are
 its children (same pid: no second helper), a launch in the importing cell itself waits for
 the start in progress instead of making a second helper, the helper and its spares go
 when a kernel that never launched shuts down, and with ``NBACCEL_PREWARM=0`` nothing is
@@ -25,7 +25,7 @@ from jupyter_client import BlockingKernelClient, KernelManager
 pytestmark = pytest.mark.timeout(300)
 
 KERNEL_NAME = "python3"
-HELPER_MODULE = "nbaccel.launcher.helper_main"
+HELPER_MODULE = "nbaccel.launcher.local.helper_main"
 APPEAR_TIMEOUT_S = 60.0  # a thread's Popen: milliseconds; the margin is for a loaded machine
 EXIT_TIMEOUT_S = 60.0  # the helper may be mid-`import torch` when its kernel goes
 

@@ -49,17 +49,17 @@ BASE = (
 # Worker-side modules of the launcher: they run in the workers (forked from the helper),
 # so they may import torch; none of them is imported by the parent side.
 WORKER_SIDE_LAUNCHER = (
-    "nbaccel.launcher.worker",
-    "nbaccel.launcher.worker_bootstrap",
-    "nbaccel.launcher.agent_main",
-    "nbaccel.launcher.agent_run",
-    "nbaccel.launcher.agent_worker",
-    "nbaccel.launcher.xla_worker",
-    "nbaccel.launcher.xla_supervisor",
-    "nbaccel.launcher.device_memory",
-    "nbaccel.launcher.script",
-    "nbaccel.launcher.elastic",
-    "nbaccel.launcher.helper_main",
+    "nbaccel.launcher.local.worker",
+    "nbaccel.launcher.bootstrap.worker_bootstrap",
+    "nbaccel.launcher.remote.agent_main",
+    "nbaccel.launcher.remote.agent_run",
+    "nbaccel.launcher.remote.agent_worker",
+    "nbaccel.launcher.xla.worker",
+    "nbaccel.launcher.xla.supervisor",
+    "nbaccel.launcher.bootstrap.device_memory",
+    "nbaccel.launcher.bootstrap.script",
+    "nbaccel.launcher.remote.elastic",
+    "nbaccel.launcher.local.helper_main",
 )
 # The modules behind ``nbaccel.utils`` that run in workers and import torch (the package
 # itself loads them lazily; it and nbaccel.utils.availability stay torch-free).
@@ -165,3 +165,107 @@ def test_the_layer_check_catches_a_violation() -> None:
     tree = ast.parse("def start():\n    from nbaccel.ui.attach import attach_dashboard\n")
     targets = own_imports(tree)
     assert any(layer(t) not in ALLOWED["launcher"] for t in targets)
+
+
+# Rooms inside the big packages (each sub-package's __init__ docstring says the same): what
+# each sub-package may import of its own package, by room — a sibling sub-package or a
+# module at the package's top. The package's top modules may import any of its rooms, as
+# long as no circle forms (the test below).
+ROOMS: dict[str, dict[str, set[str]]] = {
+    "nbaccel.launcher": {
+        "bootstrap": set(),
+        "outcome": set(),
+        "xla": {"bootstrap", "control"},
+        "local": {"bootstrap", "xla", "control", "planned", "run", "run_folder", "starter"},
+        "remote": {
+            "bootstrap",
+            "checks",
+            "control",
+            "planned",
+            "remote_shell",
+            "run",
+            "run_folder",
+            "starter",
+        },
+        "detached": {"local", "control", "planned", "run", "run_folder"},
+    },
+    "nbaccel.accel": {
+        "nested": set(),
+        "checkpoints": {"nested"},
+        "tracking": {"nested", "state"},
+        "strategies": {"nested", "checkpoints", "tracking", "state", "precision", "optim"},
+        "data": {"nested", "tracking", "strategies", "state", "optim"},
+    },
+    "nbaccel.config": {
+        "accelerate": {"schema", "sections"},
+        "deepspeed": {"schema", "sections"},
+    },
+    "nbaccel.ui": {"dashboard": set(), "panel": set()},
+}
+MOST_MODULES_AT_A_TOP = 14
+
+
+def room(package: str, name: str) -> str | None:
+    """The room of ``package`` that module ``name`` is in: its sub-package or its module."""
+    if not name.startswith(package + "."):
+        return None
+    return name[len(package) + 1 :].split(".")[0]
+
+
+def room_arrows(package: str) -> dict[str, set[str]]:
+    arrows: dict[str, set[str]] = {}
+    for name, tree in modules().items():
+        source = room(package, name)
+        if source is None:
+            continue
+        for target in own_imports(tree):
+            into = room(package, owning_module(target))
+            if into is not None and into != source:
+                arrows.setdefault(source, set()).add(into)
+    return arrows
+
+
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_each_room_imports_only_the_rooms_it_may(package: str) -> None:
+    arrows = room_arrows(package)
+    wrong = sorted(
+        f"{package}.{sub} imports {package}.{target}"
+        for sub, allowed in ROOMS[package].items()
+        for target in arrows.get(sub, set()) - allowed
+    )
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_the_rooms_of_a_package_form_no_circle(package: str) -> None:
+    arrows = room_arrows(package)
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for nxt in arrows.get(todo.pop(), set()) - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    circles = sorted(r for r in arrows if r in reach(r))
+    assert not circles, f"rooms of {package} in a circle: {circles}"
+
+
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_every_room_is_a_real_sub_package_and_tops_stay_small(package: str) -> None:
+    folder = PACKAGE.parent.joinpath(*package.split("."))
+    for sub in ROOMS[package]:
+        assert (folder / sub / "__init__.py").is_file(), f"{package}.{sub} is gone"
+        assert ast.get_docstring(modules()[f"{package}.{sub}"]), f"{package}.{sub}: no docstring"
+    for each in [folder, *(p for p in folder.iterdir() if (p / "__init__.py").is_file())]:
+        count = len([p for p in each.glob("*.py") if p.name != "__init__.py"])
+        assert count <= MOST_MODULES_AT_A_TOP, f"{each} holds {count} modules at its top"
+
+
+def test_the_room_check_catches_a_wrong_arrow() -> None:
+    # bootstrap (what every worker runs first) reaching up into the helper must be caught.
+    tree = ast.parse("from nbaccel.launcher.local.helper import shared_helper\n")
+    targets = {room("nbaccel.launcher", owning_module(t)) for t in own_imports(tree)}
+    assert targets - ROOMS["nbaccel.launcher"]["bootstrap"] == {"local"}

@@ -263,7 +263,7 @@ def test_the_world_size_is_num_processes_itself_over_several_machines() -> None:
 
 
 def test_the_panel_estimate_uses_the_total_and_this_machines_share() -> None:
-    from nbaccel.ui.config_widgets import memory_report
+    from nbaccel.ui.panel.config_widgets import memory_report
 
     config = Config(num_processes=4, num_machines=2, strategy="fsdp", use_cpu=True)
     text = memory_report(config, PSI, gpus=0, limit=lambda config, on_gpu: (10**12, "RAM"))

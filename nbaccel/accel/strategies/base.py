@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel import collectives, models, weight_files
-from nbaccel.accel.checkpoint import DeviceHooks
+from nbaccel.accel.checkpoints import weight_files
+from nbaccel.accel.checkpoints.checkpoint import DeviceHooks
+from nbaccel.accel.nested import collectives
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType, ProcessState
-from nbaccel.accel.step_timing import StepTimer
+from nbaccel.accel.strategies import models
+from nbaccel.accel.tracking.step_timing import StepTimer
 from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config
 from nbaccel.context import active_session

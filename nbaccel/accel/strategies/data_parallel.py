@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from nbaccel.accel import models, sharding
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import ProcessState, apply_init_process_group_kwargs
+from nbaccel.accel.strategies import models, sharding
 from nbaccel.accel.strategies.base import ParameterSwap, Strategy
 from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config

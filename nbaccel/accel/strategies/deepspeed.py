@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel.deepspeed_engine import DeepSpeedRun
-from nbaccel.accel.deepspeed_prepare import prepare_deepspeed
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.strategies.data_parallel import DataParallel
-from nbaccel.config.deepspeed import mixed_precision_of
+from nbaccel.accel.strategies.deepspeed_engine import DeepSpeedRun
+from nbaccel.accel.strategies.deepspeed_prepare import prepare_deepspeed
+from nbaccel.config.deepspeed.settings import mixed_precision_of
 
 
 class DeepSpeed(DataParallel):

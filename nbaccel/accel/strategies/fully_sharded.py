@@ -20,11 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from nbaccel.accel import models, sharded_checkpoint, sharding
+from nbaccel.accel.checkpoints import sharded_checkpoint
 from nbaccel.accel.precision import Precision
-from nbaccel.accel.step_timing import COMMUNICATION, StepTimer
+from nbaccel.accel.strategies import models, sharding
 from nbaccel.accel.strategies.base import ParameterSwap
 from nbaccel.accel.strategies.data_parallel import DataParallel, warn_ddp_options_unused
+from nbaccel.accel.tracking.step_timing import COMMUNICATION, StepTimer
 
 
 class FullySharded(DataParallel):

@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from nbaccel.accel import collectives, xla_prepare
-from nbaccel.accel.checkpoint import DeviceHooks
-from nbaccel.accel.collectives import tree_map
+from nbaccel.accel.checkpoints.checkpoint import DeviceHooks
+from nbaccel.accel.nested import collectives
+from nbaccel.accel.nested.collectives import tree_map
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import ProcessState
+from nbaccel.accel.strategies import xla_prepare
 from nbaccel.accel.strategies.base import Batches, ParameterSwap, Strategy
-from nbaccel.accel.xla_prepare import Batch
+from nbaccel.accel.strategies.xla_prepare import Batch
 from nbaccel.config.accelerator_options import AcceleratorOptions
 from nbaccel.config.schema import Config
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import nbaccel
 from nbaccel import Accelerator
 from nbaccel.accel import precision
-from nbaccel.accel.data import PreparedDataLoader
+from nbaccel.accel.data.loaders import PreparedDataLoader
 from nbaccel.accel.optim import AcceleratedOptimizer, AcceleratedScheduler
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}

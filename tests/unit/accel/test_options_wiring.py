@@ -25,23 +25,22 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 
 from nbaccel import Accelerator
-from nbaccel.accel import models, sharding
-from nbaccel.accel.data import PreparedIterableLoader, ShardPlan
-from nbaccel.accel.deepspeed_engine import DeepSpeedRun
+from nbaccel.accel.data.loaders import PreparedIterableLoader, ShardPlan
+from nbaccel.accel.data.rng_sync import rngs_to_synchronize
 from nbaccel.accel.optim import AcceleratedScheduler, GradientState
 from nbaccel.accel.precision import Precision
-from nbaccel.accel.rng_sync import rngs_to_synchronize
 from nbaccel.accel.state import DistributedType, ProcessState, apply_init_process_group_kwargs
-from nbaccel.accel.strategies import DataParallel, DeepSpeed
+from nbaccel.accel.strategies import DataParallel, DeepSpeed, models, sharding
 from nbaccel.accel.strategies.data_parallel import register_comm_hook
-from nbaccel.config.accelerator_options import AcceleratorOptions, apply_accelerator_arguments
-from nbaccel.config.deepspeed import deepspeed_config, fill_auto_values
-from nbaccel.config.kwargs_handlers import (
+from nbaccel.accel.strategies.deepspeed_engine import DeepSpeedRun
+from nbaccel.config.accelerate.kwargs_handlers import (
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     TorchDynamoPlugin,
 )
-from nbaccel.config.plugins import DeepSpeedPlugin
+from nbaccel.config.accelerate.plugins import DeepSpeedPlugin
+from nbaccel.config.accelerator_options import AcceleratorOptions, apply_accelerator_arguments
+from nbaccel.config.deepspeed.settings import deepspeed_config, fill_auto_values
 from nbaccel.config.schema import Config
 from nbaccel.config.sections import FSDPOptions
 from nbaccel.utils import DataLoaderConfiguration
@@ -557,7 +556,7 @@ def test_the_schedule_moves_on_optimizer_steps_only_with_either_adjust_scheduler
 
 # -- 9. the sampler's plan follows even_batches and split_batches --------------------------------
 def test_split_batches_change_after_len_is_followed() -> None:
-    from nbaccel.accel.sharded_sampler import ShardedBatchSampler
+    from nbaccel.accel.data.sharded_sampler import ShardedBatchSampler
 
     plan = ShardPlan(rank=1, world_size=2, seed=0)
     sampler = ShardedBatchSampler(torch.utils.data.BatchSampler(range(8), 4, False), plan)

@@ -23,12 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from nbaccel.accel import device_map, lomo, profiling, saving, tracker_lookup
-from nbaccel.accel.data import PreparedDataLoader, PreparedIterableLoader, ShardPlan
-from nbaccel.accel.ddp_controls import join_uneven_inputs, trigger_sync_in_backward
+from nbaccel.accel import lomo
+from nbaccel.accel.checkpoints import saving
+from nbaccel.accel.data.loaders import PreparedDataLoader, PreparedIterableLoader, ShardPlan
 from nbaccel.accel.optim import AcceleratedOptimizer, GradientState
 from nbaccel.accel.state import DistributedType
-from nbaccel.accel.trackers import CSVTracker
+from nbaccel.accel.strategies import device_map
+from nbaccel.accel.strategies.ddp_controls import join_uneven_inputs, trigger_sync_in_backward
+from nbaccel.accel.tracking import profiling, tracker_lookup
+from nbaccel.accel.tracking.trackers import CSVTracker
 from nbaccel.accel.trigger import TriggerFlag
 
 MAIN = {"is_main_process": True, "is_local_main_process": True}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.config.accelerate_compat import accelerate_env, from_accelerate_yaml
+from nbaccel.config.accelerate.compat import accelerate_env, from_accelerate_yaml
 from nbaccel.config.files import default_file, dump, load_file, save
 from nbaccel.config.resolve import resolve
 from nbaccel.config.schema import Config, DeepSpeedOptions, FSDPOptions, from_flat

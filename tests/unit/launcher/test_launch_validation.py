@@ -12,6 +12,7 @@ import nbaccel
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.launcher import api
+from nbaccel.launcher.local import start
 
 
 def train(x: int = 0) -> int:
@@ -64,7 +65,7 @@ def test_worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
     before = dict(os.environ)
     context = ProcessContext(1, 1, 2, 2, 0, "127.0.0.1", 40123, "r")
     base = {"PATH": "/bin", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
-    env = api.worker_env(
+    env = start.worker_env(
         context, Config(mixed_precision="bf16", gradient_accumulation_steps=4), base, on_cpu=True
     )
     assert env["RANK"] == "1" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "2"

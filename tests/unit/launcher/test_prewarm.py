@@ -22,8 +22,9 @@ import pytest
 from nbaccel.config.resolve import resolve
 from nbaccel.env_names import PREWARM_VAR
 from nbaccel.errors import HelperError
-from nbaccel.launcher import control, helper, prewarm
-from nbaccel.launcher.helper_main import Helper
+from nbaccel.launcher import control, prewarm
+from nbaccel.launcher.local import helper
+from nbaccel.launcher.local.helper_main import Helper
 
 
 @pytest.mark.parametrize("value", [None, "", "1", "true", "YES", " on "])
@@ -193,7 +194,7 @@ def test_mid_import_messages_after_a_deferred_spawn_keep_their_order(
 def test_mid_import_a_request_is_served_as_it_arrives_not_at_the_next_tick(
     idle_helper: tuple[Helper, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nbaccel.launcher import helper_main
+    from nbaccel.launcher.local import helper_main
 
     state, parent = idle_helper
     state.in_tick = False
@@ -248,7 +249,7 @@ def test_the_prewarm_module_imports_nothing_of_the_launch_path() -> None:
         "threading",
         "warnings",
         "nbaccel.env_names",
-        "nbaccel.launcher.helper",
+        "nbaccel.launcher.local.helper",
     }
 
 

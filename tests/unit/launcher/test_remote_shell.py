@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nbaccel.errors import ConfigError
-from nbaccel.launcher.preflight import (
+from nbaccel.launcher.remote.preflight import (
     AGENT_BOOT,
     PROBE,
     HostFailure,
@@ -127,7 +127,7 @@ def test_the_agents_first_words_are_the_probes_and_it_leaves_where_nbaccel_is_mi
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout)
     assert found["nbaccel_probe"] == 1 and found["nbaccel"] is None and found["torch"] is None
-    assert "\n" not in AGENT_BOOT and "nbaccel.launcher.agent_main" in AGENT_BOOT
+    assert "\n" not in AGENT_BOOT and "nbaccel.launcher.remote.agent_main" in AGENT_BOOT
 
 
 # --- reading a probe's result --------------------------------------------------------------
@@ -309,5 +309,5 @@ def test_a_missing_ssh_command_is_said() -> None:
 
 def test_a_local_shell_runs_the_command_itself() -> None:
     # A one-machine launch with max_restarts: the agent runs here, no ssh, no shell quoting.
-    argv = ["/opt/python", "-m", "nbaccel.launcher.agent_main"]
+    argv = ["/opt/python", "-m", "nbaccel.launcher.remote.agent_main"]
     assert RemoteShell("local", ("-F", "ignored")).argv("127.0.0.1", argv) == argv

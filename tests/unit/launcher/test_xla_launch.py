@@ -28,8 +28,8 @@ from nbaccel.events import (
     WorkerStarted,
 )
 from nbaccel.launcher import api
+from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
 from nbaccel.launcher.run import Run
-from nbaccel.launcher.worker_bootstrap import error_message
 from nbaccel.xla_plan import XlaPlan
 from tests.unit.fake_hosts import tpu_host
 
@@ -194,7 +194,7 @@ def read_events(fd: int) -> list[dict[str, Any]]:
 def test_a_busy_chip_at_start_up_is_reported_on_rank_0_with_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from nbaccel.launcher import xla_supervisor
+    from nbaccel.launcher.xla import supervisor as xla_supervisor
 
     def chip_held(plan: XlaPlan, address: str) -> None:
         raise RuntimeError(

@@ -11,7 +11,7 @@ import pytest
 import nbaccel
 import nbaccel.utils
 from nbaccel.accel.state import DistributedType as ReportedDistributedType
-from nbaccel.config.accelerator_configs import resolve_rng_types
+from nbaccel.config.accelerate.configs import resolve_rng_types
 
 accelerate_utils = pytest.importorskip("accelerate.utils")
 

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from nbaccel.accel.models import prepare_model
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import DistributedType, ProcessState
+from nbaccel.accel.strategies.models import prepare_model
 from nbaccel.utils import extract_model_from_parallel, save, tqdm
 
 

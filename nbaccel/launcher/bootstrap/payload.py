@@ -1,0 +1,131 @@
+"""Serialise the user's function, arguments and config for the workers (parent side).
+
+cloudpickle sends functions defined in a notebook cell or ``python -`` by value, closures
+and referenced globals included (through ``pickling``, which keeps code's file names, ships
+compiled classes by reference and refuses open files and sockets). When that fails, we find
+and name the variable that cannot travel, before any process starts. The parent's
+``sys.path`` and the source of notebook cells (held only in the kernel's linecache) travel
+too, so imports resolve the same way and worker tracebacks show the cell's lines.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import pickle
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from nbaccel.config.schema import Config
+from nbaccel.errors import SerializationError
+from nbaccel.launcher.bootstrap import pickling
+
+MAX_CELL_SOURCES_BYTES = 8 << 20
+
+
+def build_payload(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    config: Config,
+) -> bytes:
+    """The bytes every worker reads: function, args, kwargs, config, sys.path, cell sources."""
+    try:
+        body = pickling.dumps((function, tuple(args), dict(kwargs)))
+    except Exception as error:
+        raise SerializationError(_explain(function, args, kwargs, error)) from error
+    return pickle.dumps(
+        {
+            "function": body,
+            "config": config,
+            "sys_path": list(sys.path),
+            "sources": _cell_sources(),
+        },
+        protocol=5,
+    )
+
+
+def _explain(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any], error: Exception
+) -> str:
+    name = getattr(function, "__qualname__", repr(function))
+    fix = (
+        "Create such objects inside the function (each worker needs its own), or pass "
+        "something that can be pickled (a path, a config) and build the object from it."
+    )
+    for label, value in _suspects(function, args, kwargs):
+        try:
+            pickling.dumps(value)
+        except pickling.CannotTravel as inner:  # the message has its own fix
+            return f"Cannot send {name!r} to the worker processes: {label} is {inner}."
+        except Exception as inner:  # noqa: BLE001
+            return (
+                f"Cannot send {name!r} to the worker processes: {label} "
+                f"(a {type(value).__name__}) cannot be pickled: {inner}. {fix}"
+            )
+    return f"Cannot send {name!r} to the worker processes: {error}. {fix}"
+
+
+def _suspects(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Iterator[tuple[str, Any]]:
+    for index, value in enumerate(args):
+        yield f"args[{index}]", value
+    for key, value in kwargs.items():
+        yield f"keyword argument {key!r}", value
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return
+    closure = getattr(function, "__closure__", None) or ()
+    for var, cell in zip(code.co_freevars, closure, strict=False):
+        try:
+            yield f"the closure variable {var!r}", cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+    namespace = getattr(function, "__globals__", {})
+    for var in sorted(_global_names(code)):
+        if var in namespace and not isinstance(namespace[var], types.ModuleType):
+            yield f"the global variable {var!r}", namespace[var]
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Names a function (and the functions nested in it) may read from its globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _cell_sources() -> dict[str, list[str]]:
+    """Source lines that exist only in this process's linecache (Jupyter cells, exec'd code)."""
+    sources: dict[str, list[str]] = {}
+    total = 0
+    for filename, entry in list(linecache.cache.items()):
+        if len(entry) != 4 or entry[1] is not None or os.path.exists(filename):
+            continue
+        lines = list(entry[2])
+        total += sum(map(len, lines))
+        if total > MAX_CELL_SOURCES_BYTES:
+            break
+        sources[filename] = lines
+    return sources
+
+
+def read_payload(fd: int) -> bytes:
+    """The whole payload file behind ``fd`` (the launch hands it over as a file), read
+    with ``pread`` so the file's offset stays where it is for the next reader.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile() as file:
+    ...     _ = file.write(b"payload"); file.flush()
+    ...     read_payload(file.fileno())
+    b'payload'
+    """
+    size, chunks, offset = os.fstat(fd).st_size, [], 0
+    while offset < size and (chunk := os.pread(fd, size - offset, offset)):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,153 @@
+"""What every worker runs, however it was started: the one bootstrap shared by the local
+worker (``worker.py``, forked from the helper) and the torch_xla worker (``xla_worker.py``,
+started by torch_xla's launcher under ``xla_supervisor.py``).
+
+It points a rank's output at its log pipe, loads the payload, calls the function and
+reports the value or the error on the event pipe. How torch.distributed is started and
+finished is the caller's (``start`` / ``finish``): gloo/NCCL on a store the parent bound, or
+XLA's. Nothing here imports another launcher module that starts workers, so the ways of
+starting them depend on this module and never on each other.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nbaccel.config.schema import Config
+from nbaccel.context import ProcessContext, WorkerSession, activate
+from nbaccel.events import EventWriter, ResultReady, WorkerFailed
+from nbaccel.launcher.bootstrap import pickling, script
+from nbaccel.launcher.bootstrap.payload import read_payload
+from nbaccel.xla_plan import XlaPlan
+
+
+def capture_output(log_fd: int) -> None:
+    """Point fd 1 and 2 (C/C++ output included) at a rank's log pipe; dump stacks on SIGUSR1."""
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    # A C-level handler, so it works from torch_xla's device threads too (signal.signal
+    # would not): the arbiter's SIGUSR1 dumps every thread's stack for a hang report.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def run_payload(
+    context: ProcessContext,
+    events: EventWriter,
+    payload_fd: int,
+    start: Callable[[Config], None],
+    finish: Callable[[bytes], None],
+    xla: XlaPlan | None = None,
+    explain: Callable[[BaseException], str | None] = lambda error: None,
+) -> int:
+    """Load the payload, call the function, report its value or error; the exit code.
+
+    ``start`` readies torch.distributed once the config is known (gloo/nccl, or xla);
+    ``finish`` runs after the value was sent, with it pickled (a barrier that keeps rank
+    0's store up; where machines launch from their own cells, rank 0's value travels);
+    ``explain`` may give a failure a note with the fix (kept: the exception keeps its type).
+    """
+    try:
+        payload = pickle.loads(read_payload(payload_fd))
+        os.close(payload_fd)
+        sys.path[:] = payload["sys_path"]
+        for filename, lines in payload["sources"].items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        config: Config = payload["config"]
+        threaded = xla is not None and xla.devices_per_process > 1  # ranks are threads
+        session = WorkerSession(context=context, config=config, events=events, xla=xla)
+        activate(session, per_thread=threaded)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        start(config)
+        function, args, kwargs = pickle.loads(payload["function"])
+        try:
+            value = function(*args, **kwargs)
+        except SystemExit as exit_request:
+            if exit_request.code not in (0, None):
+                raise
+            value = None
+        dumped = _dump_result(context.rank, value)
+        events.send(ResultReady(context.rank, dumped))
+        finish(dumped)
+        return 0
+    except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
+        note = explain(error)
+        if note is not None and hasattr(error, "add_note"):  # Python 3.11+; travels pickled
+            error.add_note(note)
+        events.send(error_message(error, context.rank))
+        # sys.exit(n) keeps its code, as under torchrun; anything else exits with 1.
+        code = getattr(error, "code", 1) if isinstance(error, SystemExit) else 1
+        return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+def _dump_result(rank: int, value: Any) -> bytes:
+    try:
+        return pickling.dumps(value)
+    except Exception as error:
+        raise TypeError(
+            f"the value returned on rank {rank} ({type(value).__name__}) cannot be pickled "
+            f"to send it back: {error}. Return plain data (numbers, lists, dicts, tensors)."
+        ) from error
+
+
+def error_message(error: BaseException, rank: int) -> WorkerFailed:
+    """The message describing an exception, with a traceback that starts in user code."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _LAUNCHER_FRAMES:
+        tb = tb.tb_next
+    try:
+        pickled: bytes | None = pickling.dumps(error)
+    except Exception:  # noqa: BLE001 - the parent falls back to WorkerError
+        pickled = None
+    return WorkerFailed(
+        rank=rank,
+        type=f"{type(error).__module__}.{type(error).__qualname__}",
+        message=str(error),
+        traceback="".join(traceback.format_exception(type(error), error, tb)),
+        exception=pickled,
+        cause=classify_failure(error),
+        time=time.time(),
+    )
+
+
+# Frames above the user's code that a traceback need not show.
+# worker.py's frames (its start/finish callbacks) are named by path: importing it here would
+# make the circle this module exists to avoid.
+_LAUNCHER_FRAMES = frozenset(
+    {__file__, os.path.join(os.path.dirname(os.path.dirname(__file__)), "local", "worker.py")}
+    | {script.__file__}
+    | {"<frozen runpy>"}
+)
+_PEER_FAILURES = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
+
+
+def classify_failure(error: BaseException) -> str:
+    """'timeout' and 'peer' mark failures caused by another rank; 'error' is a rank's own.
+
+    >>> classify_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    'peer'
+    >>> classify_failure(ValueError("timed out"))
+    'error'
+    """
+    if not isinstance(error, RuntimeError):
+        return "error"
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return "timeout"
+    if any(s in text for s in _PEER_FAILURES):
+        return "peer"
+    return "error"

@@ -1,0 +1,398 @@
+"""The helper process: a clean interpreter with torch preloaded that forks workers on request.
+
+Started by the parent (``python -m nbaccel.launcher.local.helper_main FD``) on the first launch and
+kept for later ones, so a launch costs a fork instead of an ``import torch``. Between
+launches it forks idle *spares* (as many as the largest recent launch), each waiting on
+its own socket, so a launch does not even wait for ``fork`` (several ms under a sandbox or
+with a large address space): the request and its fds go straight to a spare. The helper
+never runs a torch op, starts a thread or touches CUDA (a forked child of a process that
+has would hang or fail). It is single-threaded: one ``select`` loop over the control socket
+and a SIGCHLD wake-up pipe. It sits in its own session, ignores the kernel's interrupts,
+is a child subreaper (orphaned grandchildren come back to it and are killed), and exits,
+killing every worker, when the parent closes the socket or dies.
+
+Before "ready" it imports only what a worker needs to start (PRELOAD); the rest (WARM_LATER:
+the Accelerator, torch._dynamo) is imported once it is idle, in the background of its own
+loop: a timer signal serves requests in the middle of those imports (handing them to spares
+forked before, never forking mid-import), so a launch never waits for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from nbaccel.launcher import control
+from nbaccel.launcher.bootstrap.prctl import set_child_subreaper, set_parent_death_signal
+from nbaccel.launcher.local.between_bytecodes import serving_while
+from nbaccel.launcher.local.child_processes import (
+    MAX_SPARES,
+    drain,
+    first_spares,
+    frozen_imports,
+    next_exit,
+    signal_group,
+    xla_machine,
+)
+from nbaccel.launcher.local.orphans import Orphans
+
+# What a worker needs to start: before "ready", so nothing else delays a first launch that
+# comes right away (measured with -X importtime: torch; torch.distributed, cloudpickle,
+# psutil ~0.02 s; the worker module and the nbaccel package ~0.2 s). None of these runs a
+# torch op or starts a thread at import, which forking requires.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "cloudpickle",
+    "psutil",
+    "nbaccel.launcher.local.worker",
+)
+# Imported once the helper is idle (right after "ready" when nothing is asked), so forked
+# workers find them loaded: nbaccel.accel (the Accelerator; 0.5-1.8 s here, most of it
+# FSDP's DTensor, imported on its own first) and torch._dynamo (DDP's constructor imports
+# it, 0.7-2.9 s in every worker of every launch that wraps a model). In PRELOAD they would
+# delay a first launch by as much. Requests are served during each import, spares are
+# refilled between two; those forked before the last are replaced at the end, and a
+# worker started meanwhile imports what it uses.
+WARM_LATER = ("torch.distributed.tensor", "nbaccel.accel", "torch._dynamo")
+# How often requests and exits are looked at while WARM_LATER is being imported, and how
+# long at most the import waits for a launch's workers to end (Helper.serve_mid_import).
+TICK_SECONDS = 0.005
+MAX_PAUSE_SECONDS = 2.0
+# Quiet time (no request, no worker exit, no worker alive) before WARM_LATER is imported.
+WARM_UP_AFTER_QUIET_SECONDS = 0.3
+# What _hand_to_spare returns for a request put in Helper.deferred (no child has pid 0).
+DEFERRED = 0
+PARENT_POLL_SECONDS = 1.0
+
+
+class _ParentGone(BaseException):
+    """The parent closed the socket or died while a WARM_LATER import was running: unwinds
+    out of the import (not an Exception, which warm_up would swallow) to serve()."""
+
+
+class Helper:
+    def __init__(self, sock: socket.socket, parent_pid: int) -> None:
+        self.sock = sock
+        self.parent_pid = parent_pid
+        self.workers: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank)
+        self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
+        self.wanted_spares = 0
+        self.sized = False  # wanted_spares set for a first launch (at the first idle turn)
+        self.warmed = False
+        # Requests read mid-import that no spare could take (forking then is unsafe): served
+        # in order as soon as the import is done, with every message that came after them.
+        self.deferred: list[tuple[dict[str, Any], list[int]]] = []
+        self.in_tick = False
+        self.last_activity = 0.0  # time.monotonic() of the last request read or worker exit
+        self.orphans = Orphans(signal_group)  # what exited workers left behind
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self.wake_write, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up fd fires
+        try:
+            self._serve()
+        except _ParentGone:
+            pass
+
+    def _serve(self) -> None:
+        while os.getppid() == self.parent_pid:
+            while self.deferred:
+                self.handle(*self.deferred.pop(0))
+            # Make spares only when idle, one per turn, so requests are never kept waiting.
+            idle = len(self.spares) >= self.wanted_spares
+            # Warm up with no worker alive (it would take their CPU), after a quiet moment:
+            # launches in a loop come back to back and would use up the spares mid-import.
+            quiet_for = time.monotonic() - self.last_activity
+            warm_soon = idle and not self.warmed and not self.workers
+            warm_now = warm_soon and quiet_for >= WARM_UP_AFTER_QUIET_SECONDS
+            timeout = PARENT_POLL_SECONDS if idle and not warm_now else 0.0
+            if warm_soon and not warm_now:
+                timeout = WARM_UP_AFTER_QUIET_SECONDS - quiet_for
+            ready = self._wait(timeout)
+            if not ready and not self.sized:
+                self.sized = True
+                self.wanted_spares = max(self.wanted_spares, first_spares())
+                continue
+            if not ready and not idle:
+                self.fork_spare()
+                continue
+            if not ready and warm_now:
+                self.warm_up()
+                continue
+            if self.wake_read in ready:
+                while drain(self.wake_read):
+                    pass
+                self.reap()
+            if self.sock in ready:
+                message, fds = control.receive(self.sock)
+                if message is None:
+                    return
+                self.last_activity = time.monotonic()
+                self.handle(message, fds)
+
+    def warm_up(self) -> None:
+        """Import WARM_LATER (and torch_xla where launches use it) while still serving
+        requests, then retire the spares forked without them."""
+        self.warmed = True
+        for module in WARM_LATER + (("torch_xla",) if xla_machine() else ()):
+            env = dict(os.environ)
+            with self.serving_meanwhile(), frozen_imports():
+                try:
+                    __import__(module)
+                except Exception:  # noqa: BLE001 - workers import it themselves and report errors
+                    pass
+            # torch_xla writes PJRT_DEVICE, XLA_FLAGS, ... on import: workers get the
+            # launch's environment, never ours, so keep ours as it was.
+            os.environ.clear()
+            os.environ.update(env)
+            # Between two imports no module is half-run: forking is safe again.
+            while self.deferred:
+                self.handle(*self.deferred.pop(0))
+            while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
+                pass
+        for _, channel in self.spares:
+            channel.close()  # the spare reads EOF and exits; reap() collects it
+        self.spares.clear()
+
+    def serving_meanwhile(self) -> contextlib.AbstractContextManager[None]:
+        """``serve_mid_import`` runs as soon as the kernel writes to the control socket and
+        every TICK_SECONDS while the body (an import) runs (``between_bytecodes``)."""
+        return serving_while(self.sock.fileno(), self._tick, TICK_SECONDS)
+
+    def _tick(self) -> None:
+        self.in_tick = True
+        try:
+            self.serve_mid_import()
+        finally:
+            self.in_tick = False
+
+    def _wait(self, timeout: float) -> list[Any]:
+        """Wait for the control socket or the wake-up pipe, at most ``timeout`` s and no
+        later than the next orphan is due to be killed; then kill the orphans that are due."""
+        kill_at = self.orphans.due()
+        if kill_at is not None:
+            timeout = max(0.0, min(timeout, kill_at - time.monotonic()))
+        waitables: list[Any] = [self.sock, self.wake_read]
+        ready, _, _ = select.select(waitables, [], [], timeout)
+        self.orphans.kill_due(time.monotonic())
+        return ready
+
+    def serve_mid_import(self) -> None:
+        """Requests and exits, from the timer, in the middle of an import.
+
+        A spawn goes to a spare forked before the import (a fork now would copy a half-run
+        import into the worker); without a spare it waits in ``deferred`` for the import's
+        end. While a launch's workers run, stay here up to MAX_PAUSE_SECONDS: the import
+        waits and leaves a short launch the CPU; a long run gets the import done in its first
+        seconds, so the next launch finds it. Only known children are reaped: the import may
+        be waiting for one of its own.
+        """
+        timeout = 0.0
+        resume_at = time.monotonic() + MAX_PAUSE_SECONDS
+        while True:
+            if os.getppid() != self.parent_pid:
+                raise _ParentGone
+            ready = self._wait(timeout)
+            if self.wake_read in ready:
+                while drain(self.wake_read):
+                    pass
+                self.reap(known_only=True)
+            if self.sock in ready:
+                message, fds = control.receive(self.sock)
+                if message is None:
+                    raise _ParentGone
+                if self.deferred or (message["op"] == "spawn" and not self.spares):
+                    self.deferred.append((message, fds))
+                else:
+                    self.handle(message, fds)
+            now = time.monotonic()
+            if self.deferred or not self.workers or now >= resume_at:
+                return
+            timeout = min(PARENT_POLL_SECONDS, resume_at - now)
+
+    def handle(self, message: dict[str, Any], fds: list[int]) -> None:
+        if message["op"] == "spawn":
+            self.spawn(message, fds)
+        elif message["op"] == "signal":
+            ranks = message.get("ranks")
+            for pid, (run_id, rank) in list(self.workers.items()):
+                if run_id == message["run"] and (ranks is None or rank in ranks):
+                    signal_group(pid, message["signal"])
+
+    def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
+        # Processes this launch asks us for: its world size, or 1 for a torch_xla supervisor.
+        processes = message.get("processes", message["context"].world_size)
+        self.wanted_spares = min(MAX_SPARES, max(self.wanted_spares, processes))
+        pid = self._hand_to_spare(message, fds)
+        if pid == DEFERRED:
+            return  # its fds stay open with it
+        for fd in fds:
+            os.close(fd)
+        if pid is None:
+            error = "fork failed: the helper could not start a worker (out of memory or pids?)"
+            self.reply({**_ids(message), "op": "spawn_failed", "error": error})
+            return
+        self.workers[pid] = (message["run"], message["rank"])
+
+    def _hand_to_spare(self, message: dict[str, Any], fds: list[int]) -> int | None:
+        """Send the request to an idle spare (forking one if none is left); its pid or None.
+
+        Mid-import (``in_tick``) no fork: a spare that turns out dead defers the request."""
+        while True:
+            if not self.spares and self.in_tick:
+                self.deferred.append((message, fds))
+                return DEFERRED
+            if not self.spares and self.fork_spare(fds_to_close=fds) is None:
+                return None
+            pid, channel = self.spares.pop()
+            try:
+                control.send(channel, message, fds)
+                return pid
+            except OSError:
+                continue  # that spare died; its exit is reaped as an unknown child
+            finally:
+                channel.close()
+
+    def fork_spare(self, fds_to_close: list[int] | tuple[int, ...] = ()) -> int | None:
+        """Fork an idle child that waits for one spawn request, then becomes that worker."""
+        ours, theirs = control.socket_pair()
+        helper_pid = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return None
+        if pid == 0:  # the spare; never returns
+            try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGIO, signal.SIG_DFL)  # ignored here after an import
+                for fd in (self.wake_read, self.wake_write, *fds_to_close):
+                    os.close(fd)
+                for other in (self.sock, ours, *(channel for _, channel in self.spares)):
+                    other.close()
+                set_parent_death_signal(signal.SIGKILL)
+                message, fds = control.receive(theirs)
+                if message is not None:
+                    theirs.close()
+                    from nbaccel.launcher.local.worker import run_worker
+
+                    run_worker(message, fds, helper_pid=helper_pid)
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.spares.append((pid, ours))
+        return pid
+
+    def reap(self, *, known_only: bool = False) -> None:
+        """Collect exited children and report workers' exits; ``known_only``: workers and
+        spares only, not orphans (mid-import, where the import may wait for a child)."""
+        while True:
+            pid, status = next_exit(self.known_children() if known_only else None)
+            if pid == 0:
+                return
+            owner = self.workers.pop(pid, None)
+            if owner is None:  # a spare that died, or an orphaned grandchild (we are subreaper)
+                for spare in [s for s in self.spares if s[0] == pid]:
+                    spare[1].close()
+                    self.spares.remove(spare)
+                orphan_of = self.orphans.forget(pid)
+                if orphan_of is not None:  # what it started is ours now, and ends with its run
+                    self.orphans.adopt_new_children(orphan_of, self.known_children())
+                continue
+            self.last_activity = time.monotonic()
+            # The worker led its own process group: take down what it left (DataLoader workers).
+            signal_group(pid, signal.SIGKILL)
+            run_id, rank = owner
+            status_code = os.waitstatus_to_exitcode(status)
+            # The exit first (the run names its first failing rank by it), then the scan.
+            self.reply({"op": "exited", "run": run_id, "rank": rank, "status": status_code})
+            # Its children that left its group are ours now: they end when the run ends.
+            self.orphans.adopt_new_children(run_id, self.known_children())
+            if not any(run == run_id for run, _ in self.workers.values()):
+                self.orphans.end_run(run_id, time.monotonic())
+
+    def known_children(self) -> set[int]:
+        """Children that are not orphans: workers and spares."""
+        return set(self.workers) | {pid for pid, _ in self.spares}
+
+    def reply(self, message: dict[str, Any]) -> None:
+        try:
+            control.send(self.sock, message)
+        except OSError:
+            pass  # the parent is gone; serve() notices and shuts down
+
+    def shutdown(self) -> None:
+        """Kill every worker group and every remaining descendant, then reap them."""
+        for pid in list(self.workers):
+            signal_group(pid, signal.SIGKILL)
+        for pid, channel in self.spares:
+            channel.close()
+            signal_group(pid, signal.SIGKILL)
+        try:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
+        except Exception:  # noqa: BLE001 - best effort while exiting
+            pass
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
+
+
+def _ids(message: dict[str, Any]) -> dict[str, Any]:
+    return {"run": message["run"], "rank": message["rank"]}
+
+
+def _exit_on_sigterm(*_: object) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[1]))
+    parent_pid = int(argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's, not ours
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with frozen_imports():
+            for module in PRELOAD:
+                __import__(module)
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises HelperError
+        control.send(sock, {"op": "failed", "error": traceback.format_exc()})
+        return 1
+    set_child_subreaper()
+    helper = Helper(sock, parent_pid)
+    try:
+        control.send(sock, {"op": "ready", "pid": os.getpid(), "python": sys.version})
+    except OSError:
+        return 0  # the parent left while we imported (a kernel that exited before launching)
+    try:
+        helper.serve()
+    except BaseException:  # noqa: BLE001 - a bug here: the parent's HelperError shows it
+        # Our stderr is /dev/null (a kernel has no terminal): the socket is the only way out.
+        helper.reply({"op": "crashed", "error": traceback.format_exc()})
+        return 1
+    finally:
+        helper.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    # Every worker is reaped by now; skip the interpreter's teardown of torch (0.5-0.7 s of
+    # CPU measured by benchmarks/interrupt_latency.py) that nothing needs.
+    os._exit(main(sys.argv))

@@ -1,0 +1,116 @@
+"""Start a planned launch's workers on this machine, through the helper.
+
+``api.start`` plans a launch in the kernel and calls ``start_planned`` for one machine; a
+detached run's supervisor calls it in its own process. The rendezvous port is bound here and
+its listening socket handed to rank 0, so no other process can take it.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from nbaccel.config.accelerate.compat import accelerate_env
+from nbaccel.config.resolve import Resolved
+from nbaccel.config.schema import Config
+from nbaccel.context import ProcessContext
+from nbaccel.devices import loopback_interface, usable_cpu_cores
+from nbaccel.errors import ConfigError
+from nbaccel.launcher.local.helper import shared_helper
+from nbaccel.launcher.planned import Display, Planned
+from nbaccel.launcher.run import Run
+from nbaccel.launcher.run_folder import make_run_dir, write_config
+from nbaccel.xla_plan import xla_worker_env
+
+
+def start_planned(planned: Planned, *, show: Display) -> Run:
+    """Start a planned launch's workers in this process's helper; ``show`` sees the run."""
+    resolved, xla, gpus, run_id = planned.resolved, planned.xla, planned.gpus, planned.run_id
+    # Bind the rendezvous port here and hand the listening socket to rank 0: the port is
+    # held from the moment it is chosen, so no other process can take it.
+    listener = _rendezvous_listener(resolved)
+    try:
+        run_dir = make_run_dir(resolved.config.runs_dir, run_id)
+    except BaseException:
+        listener.close()
+        raise
+    with tempfile.TemporaryFile() as payload_file, listener:
+        helper = shared_helper()  # started on first use; it imports torch while we go on
+        write_config(run_dir, resolved)
+        run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
+        show(run, gpus)
+        payload_file.write(planned.payload)
+        payload_file.flush()
+        port = listener.getsockname()[1]
+        requests = [
+            {
+                "context": context,
+                "env": worker_env(context, resolved.config, planned.env, on_cpu=not gpus)
+                | (xla_worker_env(xla) if xla else {}),
+                "cwd": planned.cwd,
+            }
+            for context in _contexts(run_id, planned.world_size, port, run_dir)
+        ]
+        # torch_xla's rank 0 serves its own store on MASTER_PORT: the port is released for it
+        # when this block ends, just before its workers start (they take seconds to import).
+        run.start(helper, requests, payload_file.fileno(), listener.fileno())
+    return run
+
+
+def _rendezvous_listener(resolved: Resolved) -> socket.socket:
+    """A listening socket on loopback: ``main_process_port`` if set, else a free port."""
+    port = resolved.config.main_process_port or 0
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+    except OSError as error:
+        listener.close()
+        raise ConfigError(
+            f"main_process_port={port} (from {resolved.sources['main_process_port']}) cannot "
+            f"be used on 127.0.0.1: {error.strerror or error}. Another process holds it: "
+            "choose another port, or leave main_process_port unset for a free one.",
+            field="main_process_port",
+        ) from None
+    return listener
+
+
+def worker_env(
+    context: ProcessContext, config: Config, base: Mapping[str, str], *, on_cpu: bool
+) -> dict[str, str]:
+    """One worker's environment: the parent's, plus torch.distributed and Accelerate variables."""
+    env = dict(base)
+    env.update(context.torch_env())
+    # What Hugging Face Accelerate reads, so code written for it runs unchanged.
+    env.update(accelerate_env(config, on_cpu=on_cpu))
+    # Threads are sized once per worker (torch.set_num_threads reads this in the worker).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpu_cores() // context.local_world_size)))
+    env["PYTHONUNBUFFERED"] = "1"
+    # gloo (and NCCL's bootstrap) bind to whatever the host name resolves to, a LAN address
+    # on many machines, and their ports take no authentication. One machine needs nothing
+    # but loopback: pin both to it, whatever the kernel's environment says.
+    loopback = loopback_interface()
+    if loopback is not None:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = loopback
+    if env.get("MPLBACKEND", "").startswith("module://"):
+        env["MPLBACKEND"] = "Agg"  # the notebook's inline backend needs a kernel
+    return env
+
+
+def _contexts(run_id: str, world_size: int, port: int, run_dir: Path) -> list[ProcessContext]:
+    return [
+        ProcessContext(
+            rank=rank,
+            local_rank=rank,
+            world_size=world_size,
+            local_world_size=world_size,
+            node_rank=0,
+            master_addr="127.0.0.1",
+            master_port=port,
+            run_id=run_id,
+            run_dir=str(run_dir),
+        )
+        for rank in range(world_size)
+    ]

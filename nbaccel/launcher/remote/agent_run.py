@@ -1,0 +1,171 @@
+"""One host's share of a several-machine launch, run by torch elastic (``agent_main.py``).
+
+``run_host`` hands torch elastic (``elastic_launch``: ``LocalElasticAgent``; the static
+rendezvous, or c10d's where elastic restarts workers) this host's workers: ``nproc`` forks of
+the agent running ``agent_worker.run_elastic_worker``. Node 0 hosts the rendezvous store on
+the port it picked (``pick_port``); every node joins it at ``host0:port``. torch is imported
+here, in the agent: never in the kernel.
+
+A one-machine run (one node on a loopback address: ``hosts_launch.place_here``) listens on
+loopback only, as every one-machine run does. elastic's c10d TCPStores would listen on every
+interface (and its forked workers would inherit them), so there the rendezvous keeps its
+state in a file store in the agent's private folder (torch's own c10d backend, its
+``store_type=file``: no other node has to reach it), and the workers' store is not the
+agent's but rank 0's, on MASTER_ADDR (``agent_worker._start_distributed``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
+
+
+class JobNotFormed(Exception):
+    """The machines of a job launched from each machine's cell did not all meet."""
+
+
+def _not_formed(start: dict[str, Any], error: BaseException) -> str:
+    where = f"{start['endpoint_host']}:{start['endpoint_port']}"
+    role = "served by this machine" if start["node_rank"] == 0 else "of machine 0"
+    return (
+        f"the machines of the job did not all meet within {start['join_timeout']} s at "
+        f"{where} (the rendezvous {role}; this is node_rank {start['node_rank']} of "
+        f"{start['nnodes']}): {str(error).strip()} Run the same cell on every machine with "
+        "the same num_nodes, master_addr (machine 0's address) and use_port, each with its "
+        "own node_rank; check that the other machines reach machine 0 on that port "
+        "(firewall), or raise rdzv_timeout."
+    )
+
+
+def versions() -> dict[str, str]:
+    """What the kernel checks against its own before anything starts."""
+    import torch
+
+    return {
+        "python": sys.version.split()[0],
+        "nbaccel": metadata.version("nbaccel"),
+        "torch": torch.__version__,
+        "hostname": socket.gethostname(),
+    }
+
+
+def pick_port(address: str) -> int:
+    """A free TCP port for the rendezvous store on this host (node 0).
+
+    The store binds it moments later in this process; nothing else on this host is
+    expected to take a port the kernel never named in between.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def on_loopback_only(start: dict[str, Any]) -> bool:
+    """Whether the launch is one node at a loopback address: nothing outside this machine
+    takes part, so nothing of it need listen beyond loopback.
+
+    >>> on_loopback_only({"nnodes": 1, "local_addr": "127.0.0.1"})
+    True
+    >>> on_loopback_only({"nnodes": 2, "local_addr": "127.0.0.1"})
+    False
+    >>> on_loopback_only({"nnodes": 1, "local_addr": "gpu-node-7"})
+    False
+    """
+    if start["nnodes"] != 1:
+        return False
+    try:
+        return ipaddress.ip_address(start["local_addr"]).is_loopback
+    except ValueError:  # a host name: a host of hosts=, reached by name
+        return False
+
+
+def run_host(
+    start: dict[str, Any], worker_address: str, stop_fd: int
+) -> tuple[bool, dict[int, int]]:
+    """Run this host's workers to the end: (all succeeded, exit statuses elastic knows by
+    global rank: minus the signal that ended a worker). Which global ranks live here is
+    elastic's choice (the rendezvous orders the hosts, and may order them differently after
+    a restart), so the caller learns the rest from the workers' own hello.
+
+    ``start["max_restarts"]``: how often elastic restarts every host's workers after one
+    fails (elastic's own restart: stop all, rendezvous again, start all). ``stop_fd``: the
+    read end of the agent's stop pipe, which workers check before running anything."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from nbaccel.launcher.remote.agent_worker import run_elastic_worker
+
+    os.environ.update(start["env"])
+    if os.path.isdir(start["cwd"]):
+        os.chdir(start["cwd"])
+    Path(start["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+    payload_fd = os.memfd_create("nbaccel-payload")
+    os.write(payload_fd, start["payload"])
+    # elastic keeps a folder of per-worker error files; ours, removed at the end.
+    elastic_dir = tempfile.mkdtemp(prefix="nbaccel-elastic-")
+    rdzv_configs: dict[str, Any] = {"join_timeout": start["join_timeout"]}
+    backend = start.get("rendezvous", "c10d")
+    if on_loopback_only(start):  # one node: c10d's file store, whatever was asked (no order
+        # of machines to keep; torch's static rendezvous has no file store)
+        backend = "c10d"
+        endpoint = os.path.join(elastic_dir, "rendezvous")
+        rdzv_configs["store_type"] = "file"
+        # torch's switch: no TCPStore of the agent's for the workers (it would listen on
+        # every interface); rank 0 of each attempt serves theirs on MASTER_ADDR.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        endpoint = f"{start['endpoint_host']}:{start['endpoint_port']}"
+        rdzv_configs["is_host"] = start["node_rank"] == 0
+    if backend == "static":
+        # Launches without restarts: torch's static rendezvous, where node_rank (not the
+        # order of arrival) places the machine. A job whose machines each launch from their
+        # own kernel, or the hosts of hosts= (their order in the list).
+        rdzv_configs = {"rank": start["node_rank"], "timeout": start["join_timeout"]}
+    config = LaunchConfig(
+        min_nodes=start["nnodes"],
+        max_nodes=start["nnodes"],
+        nproc_per_node=start["nproc"],
+        run_id=start.get("job", start["run"]),  # the same on every machine of the job
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=int(start.get("max_restarts", 0)),
+        # elastic's workers wait, after the function returns, until the agent's monitor has
+        # read every return value (its _poll, once an interval). With 0.1 s a warm 2-host
+        # launch's end took 0.095-0.10 s, with 0.02 s 0.08 s (multi_host_launch.py).
+        monitor_interval=MONITOR_INTERVAL,
+        start_method="fork",
+        local_addr=start["local_addr"],  # None: this host's name, as torchrun
+        logs_specs=DefaultLogsSpecs(log_dir=elastic_dir, redirects=Std.NONE, tee=Std.NONE),
+    )
+    try:
+        values = elastic_launch(config, run_elastic_worker)(
+            worker_address,
+            payload_fd,
+            start["run"],
+            start["run_dir"],
+            stop_fd,
+            bool(start.get("share_rank0", False)),
+            start.get("memory_host"),
+        )
+        return True, {int(rank): 0 for rank in values}
+    except ChildFailedError as error:
+        return False, {int(rank): failure.exitcode for rank, failure in error.failures.items()}
+    except DistError as error:  # the static rendezvous: machine 0's store, or reaching it
+        if "job" not in start:  # hosts=: the kernel names the host and shows the traceback
+            raise
+        raise JobNotFormed(_not_formed(start, error)) from error
+    finally:
+        os.close(payload_fd)
+        shutil.rmtree(elastic_dir, ignore_errors=True)

@@ -1,0 +1,404 @@
+"""The live dashboard: a run's header, logs, failure, curves and memory as ipywidgets.
+
+Threads (FACTS.md, ipywidgets): the run's pump thread and the memory sampler only put
+events on a queue; one UI thread applies them to a ``DashboardModel`` and owns every widget
+write. It writes text at most every ``text_interval`` (0.25 s) and PNG frames at most every
+``image_interval`` (0.5 s), assigning whole new values (a bounded log tail, never a growing
+log; never ``with output:`` from a thread), and only when something changed: a run that
+logs every step and prints a tqdm bar costs ~30 messages a second, far below the server's
+~1000/s. When the run ends, the run's pump thread waits (at most ``END_WAIT`` s) for the
+final frames and a static summary (a PNG and text, shown with IPython.display into outputs
+reserved when the dashboard was shown), so a saved notebook keeps the curves and a blocking
+call returns only after they are out.
+
+While a blocking cell runs, the kernel handles no widget events (a click, a selector
+change): Stop and the selectors work in the non-blocking ``launch()`` dashboard; in a
+blocking call the kernel interrupt stops the run, and the UI says so.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nbaccel.events import Event, RunEnded, RunStarted, WorkerStarted
+from nbaccel.ui.dashboard.cell_output import CellOutput
+from nbaccel.ui.dashboard.compare import EarlierRuns, earlier_runs
+from nbaccel.ui.dashboard.memory import MemorySampler
+from nbaccel.ui.dashboard.model import DashboardModel, MemoryReading
+from nbaccel.ui.dashboard.step_panel import StepPanel
+from nbaccel.ui.dashboard.text import (
+    errors_html,
+    header_html,
+    log_html,
+    memory_html,
+    summary_text,
+)
+from nbaccel.ui.dashboard.widgets import DashboardWidgets
+
+TEXT_INTERVAL = 0.25  # 4 Hz text: live to the eye; 10 Hz cost ~1 % of a core more
+IMAGE_INTERVAL = 0.5  # 2 Hz frames (a blitted frame costs ~5 ms; a full redraw ~40 ms)
+IDLE_REFRESH = 1.0  # the header's clock ticks in seconds
+END_WAIT = 10.0  # the pump thread waits this long for the final frames and summary
+
+
+class Dashboard(CellOutput, DashboardWidgets):
+    """Widgets for one run, fed with the run's events (it is a run subscriber).
+
+    ``threaded=False`` runs no UI thread: call ``tick(now)`` to apply queued events and
+    write what is due at ``now`` (tests drive time this way).
+
+    >>> from nbaccel.events import LogLine, Metric, RunEnded, RunState
+    >>> dash = Dashboard(DashboardModel(world_size=2), threaded=False)
+    >>> dash(LogLine(0, "epoch 1", False, False, 0.0)); dash(Metric(0, 1, {"loss": 0.5}, 0.0))
+    >>> dash(RunEnded(RunState.SUCCEEDED, None, 1.0, 1.0)); dash.tick()
+    >>> dash.visible_log, "succeeded" in dash.header.value, dash.summary_text.splitlines()[1]
+    (['epoch 1'], True, 'loss: last 0.5 at step 1, min 0.5 at step 1')
+    """
+
+    def __init__(
+        self,
+        model: DashboardModel,
+        *,
+        stop: Callable[[], None] | None = None,
+        blocking: bool = False,
+        rank: int = 0,
+        sampler: MemorySampler | None = None,
+        text_interval: float = TEXT_INTERVAL,
+        image_interval: float = IMAGE_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        threaded: bool = True,
+    ) -> None:
+        self.model = model
+        self._stop, self._blocking, self._sampler = stop, blocking, sampler
+        self._text_interval, self._image_interval = text_interval, image_interval
+        self._clock, self._wall_clock, self._threaded = clock, wall_clock, threaded
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._rank, self._metric = rank, ""
+        self._metric_chosen = False  # the user picked a metric: stop preferring "loss"
+        self._stopping = self._writing = self._ended = self._started = False
+        self._closed = self._widgets_closed = False
+        self._stop_clicked = False
+        self._next_text = self._next_image = 0.0
+        self._dirty_text = self._dirty_images = True
+        self._written: dict[str, Any] = {}  # what each part shows, to skip equal writes
+        self._plots: Any = None  # nbaccel.ui.dashboard.plots objects, made on first frame
+        self.step_panel = StepPanel()  # the step-time breakdown
+        self._summary_outputs: tuple[Any, Any] | None = None
+        self._finished = threading.Event()
+        self._wake = threading.Event()  # set by producers when the UI thread should look
+        self._armed = False  # the UI thread has a timed wake-up coming for pending work
+        self._thread: threading.Thread | None = None
+        self.visible_log: list[str] = []
+        self.summary_png: bytes | None = None
+        self.summary_text = ""
+        self.earlier: EarlierRuns | None = None  # the runs picked to overlay, once listed
+        super().__init__(model.ranks, rank, blocking=blocking, can_stop=stop is not None)
+        self.rank_selector.observe(self._on_rank, names="value")
+        self.metric_selector.observe(self._on_metric, names="value")
+        self.stop_button.on_click(self._on_stop)
+        self.compare.observe(self._on_compare, names="value")
+
+    # ----- input (any thread) -------------------------------------------------------
+    def __call__(self, event: Event) -> None:
+        """Subscriber entry: queue the event; at the run's end, wait for the summary.
+
+        The threads start with the run (``RunStarted``), so a launch that fails to start
+        leaves none behind.
+        """
+        if self._closed:
+            return  # its cell shows only the summary now: nothing to update
+        self._put(event, urgent=isinstance(event, (RunStarted, RunEnded)))
+        if isinstance(event, WorkerStarted) and self._sampler is not None:
+            self._sampler.worker_started(event.pid)  # its bare RSS, then every worker's
+        if isinstance(event, RunStarted) and self._threaded:
+            self.start()
+        ui_thread = self._thread
+        if isinstance(event, RunEnded) and ui_thread not in (None, threading.current_thread()):
+            self._finished.wait(END_WAIT)
+
+    def post_memory(self, readings: list[MemoryReading]) -> None:
+        """Queue memory readings (the sampler's callback)."""
+        self._put(readings)
+
+    def _on_rank(self, change: dict[str, Any]) -> None:
+        if not self._writing:
+            self._put(("rank", change["new"]), urgent=True)
+
+    def _on_metric(self, change: dict[str, Any]) -> None:
+        if not self._writing and change["new"] is not None:
+            self._put(("metric", change["new"]), urgent=True)
+
+    def _on_compare(self, change: dict[str, Any]) -> None:
+        if self._writing:
+            return
+        thread = self._thread
+        self._put(("compare", tuple(change["new"])), urgent=True)
+        if self._finished.is_set():  # the UI thread has ended with the run: draw it here
+            if thread is not None:
+                thread.join(1.0)
+            self.tick(force=True)
+
+    def _on_stop(self, _button: Any) -> None:
+        if self._stop is not None and not self._stop_clicked:
+            self._stop_clicked = True  # once: the button is disabled only when the UI catches up
+            self._stop()
+            self._put(("stop", True), urgent=True)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (its widgets are closed or about to be)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Close every widget of this dashboard (the static summary stays in its cell), so
+        a long-lived kernel does not keep them. From any thread: a running UI thread closes
+        them itself, between two writes; the run, if still going, is not affected."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            self._put(("close", None), urgent=True)
+        else:
+            self._close_now()
+
+    def _close_now(self) -> None:
+        if self._widgets_closed:
+            return
+        self._widgets_closed = True
+        if self._sampler is not None:
+            self._sampler.stop()
+        self.close_widgets()
+        self._finished.set()  # nobody waits for a summary that will not come
+
+    # ----- the UI thread ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the memory sampler and the UI thread (``threaded=True``); idempotent."""
+        if self._started:
+            return
+        self._started = True
+        if self._sampler is not None:
+            self._sampler.start()
+        if self._threaded:
+            self._thread = threading.Thread(target=self._loop, name="nbaccel-ui", daemon=True)
+            self._thread.start()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Apply everything queued and write it now (tests; a notebook's last look)."""
+        if self._thread is None or not self._thread.is_alive():
+            self.tick(force=True)
+            return
+        done = threading.Event()
+        self._put(done, urgent=True)
+        if not done.wait(timeout):
+            raise TimeoutError(f"the dashboard did not flush within {timeout} s")
+
+    @property
+    def curve_xlim(self) -> tuple[float, float] | None:
+        """The curve's x axis now (None before its first frame): what a test checks."""
+        return self._plots[1].xlim if self._plots is not None else None
+
+    def wait_finished(self, timeout: float = END_WAIT) -> bool:
+        """Wait until the final frames and summary are written; False on timeout."""
+        return self._finished.wait(timeout)
+
+    def _put(self, item: Any, *, urgent: bool = False) -> None:
+        self._queue.put(item)
+        # While armed, the UI thread will wake at its next write slot anyway: waking it per
+        # log line would cost a thread switch (and the GIL) per line for nothing.
+        if urgent or not self._armed:
+            self._wake.set()
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._closed:  # asked while the loop was ending: close here, once
+                self._close_now()
+
+    def _serve(self) -> None:
+        reported = False
+        while not self._finished.is_set():
+            self._wake.wait(self._wait_time())
+            self._wake.clear()
+            try:
+                self.tick()
+            except Exception as error:  # noqa: BLE001 - a broken display must not stop a run
+                if not reported:
+                    print(f"nbaccel: dashboard update failed: {error!r}", file=sys.__stderr__)
+                    reported = True
+                if self._ended:
+                    self._finished.set()  # never keep the run's pump thread waiting
+            self._armed = self._dirty_text or self._dirty_images
+            if not self._armed and not self._queue.empty():
+                self._wake.set()  # put while we were still armed: take it now
+
+    def _wait_time(self) -> float:
+        """Until the next write slot when something waits to be written, else the clock tick."""
+        now = self._clock()
+        if not (self._dirty_text or self._dirty_images):
+            return IDLE_REFRESH
+        due = min(self._next_text, self._next_image if self._dirty_images else math.inf)
+        return max(0.0, due - now)
+
+    def tick(self, now: float | None = None, *, force: bool = False) -> None:
+        """Apply queued events; write the parts that are due at ``now`` (all if ``force``)."""
+        now = self._clock() if now is None else now
+        flushes = self._drain()
+        if self._closed:
+            self._close_now()
+            for done in flushes:
+                done.set()
+            return
+        force = force or bool(flushes) or self._ended
+        if force or now >= self._next_text:
+            self._write_text()
+            self._next_text = now + self._text_interval
+        if force or (self._dirty_images and now >= self._next_image):
+            self._write_images()
+            self._next_image = now + self._image_interval
+        if self._ended and not self._finished.is_set():
+            self._finish()
+        for done in flushes:
+            done.set()
+
+    def _drain(self) -> list[threading.Event]:
+        flushes: list[threading.Event] = []
+        item = None
+        while True:
+            if isinstance(item, threading.Event):
+                flushes.append(item)
+            elif isinstance(item, list):
+                self.model.set_memory(item)
+                self._dirty_images = True
+            elif isinstance(item, tuple):
+                kind, value = item
+                if kind == "rank":
+                    self._rank = value
+                elif kind == "metric":
+                    self._metric, self._metric_chosen = value, True
+                    self._dirty_images = True
+                elif kind == "stop":
+                    self._stopping = True
+                elif kind == "compare" and self.earlier is not None:
+                    self.earlier.pick(value)  # reads each newly picked run's events once
+                    self._dirty_images = True
+                self._dirty_text = True  # ("close", None) only wakes the thread: see tick
+            elif item is not None:
+                self.step_panel.handle(item)
+                self.model.handle(item)
+                self._ended = self._ended or isinstance(item, RunEnded)
+                self._dirty_text = self._dirty_images = True
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return flushes
+
+    # ----- writing (UI thread only) -----------------------------------------------
+    def _set(self, part: str, widget: Any, name: str, value: Any) -> bool:
+        """Assign a widget trait if it changed (each assignment is one message)."""
+        if part in self._written and self._written[part] == value:
+            return False
+        self._written[part] = value
+        self._writing = True  # our own writes must not look like the user's choices
+        try:
+            setattr(widget, name, value)
+        finally:
+            self._writing = False
+        return True
+
+    def _write_text(self) -> None:
+        model = self.model
+        head = model.header(self._wall_clock())
+        self._set("header", self.header, "value", header_html(head, stopping=self._stopping))
+        self.visible_log = model.tail(self._rank)
+        dropped = model.tail_state(self._rank)[1]
+        self._set("log", self.log, "value", log_html(self.visible_log, dropped, self._rank))
+        labels = tuple((model.rank_label(r), r) for r in model.ranks)  # hosts, once known
+        if self._set("rank_options", self.rank_selector, "options", labels):
+            self._written.pop("rank", None)  # new options reset the value: put it back
+            self._set("rank", self.rank_selector, "value", self._rank)
+        self._set("errors", self.errors, "value", errors_html(model.errors))
+        self._set("steps", self.steps, "value", self.step_panel.html())
+        names = model.metric_names
+        if not self._metric_chosen and names:
+            self._metric = "loss" if "loss" in names else names[0]
+        if self._set("metric_options", self.metric_selector, "options", tuple(names)):
+            self._written.pop("metric", None)  # new options reset the selection: set it again
+        if names:
+            self._set("metric", self.metric_selector, "value", self._metric)
+        steps, values = model.series(self._metric)
+        shown = f"{self._metric} = {values[-1]:.6g} at step {steps[-1]}" if steps else ""
+        self._set("metric_value", self.metric_value, "value", f"<code>{html.escape(shown)}</code>")
+        if self.earlier is None and model.run_dir:  # listed once, when the run started
+            self.earlier = EarlierRuns(model.run_dir)
+            listed = earlier_runs(model.run_dir)
+            self._set("compare_options", self.compare, "options", tuple(listed))
+            self._set("compare_rows", self.compare, "rows", min(max(len(listed), 1), 5))
+            self._set("compare_shown", self.compare.layout, "display", None if listed else "none")
+        done = model.state.done
+        inert = done or self._stopping or self._blocking or self._stop is None
+        self._set("stop_disabled", self.stop_button, "disabled", inert)
+        if self._stopping and not done:
+            self._set("stop_label", self.stop_button, "description", "Stopping…")
+        self._dirty_text = False
+
+    def _write_images(self) -> None:
+        self._dirty_images = False
+        if self._plots is None:
+            try:
+                from nbaccel.ui.dashboard import (
+                    plots,  # matplotlib: loaded here, off the launch path
+                )
+            except ImportError:
+                self._set("metric_value", self.metric_value, "value", "matplotlib is missing")
+                return
+            self._plots = (plots, plots.CurvePlot(), plots.MemoryBars())
+        plots, curve, bars = self._plots
+        model, done = self.model, self.model.state.done
+        steps, values = model.series(self._metric)
+        picked = self.earlier.picked if self.earlier is not None else ()
+        key = (self._metric, model.metrics_version, done, picked)
+        if steps and self._written.get("curve_key") != key:
+            self._written["curve_key"] = key
+            overlays = self.earlier.overlays(self._metric) if self.earlier is not None else []
+            png = curve.render(
+                self._metric, steps, values, model.expected_last_step, final=done,
+                overlays=overlays,
+            )  # fmt: skip
+            self._set("curve", self.curve, "value", png)
+            self._set("curve_shown", self.curve.layout, "display", None)
+            earlier = self.earlier
+            legend = earlier.legend_html(self._metric, model.run_id) if earlier else ""
+            self._set("curve_legend", self.curve_legend, "value", legend)
+        readings = model.memory
+        if readings and self._written.get("memory_key") != (model.memory_version, done):
+            self._written["memory_key"] = (model.memory_version, done)
+            self._set("memory", self.memory, "value", bars.render(readings, ended=done))
+            self._set("memory_shown", self.memory.layout, "display", None)
+            text = memory_html(readings, ended=done, estimate=model.estimate)
+            self._set("memory_text", self.memory_text, "value", text)
+
+    def _finish(self) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()
+        self._drain()  # the sampler's last readings
+        self._write_text()
+        self._write_images()  # the run is done: the curve fits its steps, the bars its peaks
+        self.summary_text = summary_text(self.model)
+        if self.step_panel.summary():
+            self.summary_text += "\n" + self.step_panel.summary()
+        if self._plots is not None and (self.model.metric_names or self.model.memory):
+            series = {name: self.model.series(name) for name in self.model.metric_names}
+            title = f"nbaccel run {self.model.run_id}: {self.model.state.value}"
+            self.summary_png = self._plots[0].render_summary(series, self.model.memory, title)
+        self._publish_summary()
+        self._finished.set()

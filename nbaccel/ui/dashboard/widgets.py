@@ -1,0 +1,125 @@
+"""The dashboard's widgets and their layout; ``Dashboard`` fills them from a run's events.
+
+Every part carries a CSS class (``nbaccel-dashboard``, ``nbaccel-header``, ``nbaccel-log``,
+``nbaccel-errors``, ``nbaccel-rank``, ``nbaccel-stop``, ``nbaccel-stop-note``,
+``nbaccel-metric``, ``nbaccel-metric-value``, ``nbaccel-compare``, ``nbaccel-curve``,
+``nbaccel-curve-legend``, ``nbaccel-memory-text``, ``nbaccel-memory``): a notebook's stored
+widget state lists it in ``_dom_classes``, and a browser test selects by it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as widgets  # untyped: widgets are held as Any
+
+from nbaccel.ui.dashboard.text import BLOCKING_NOTE
+
+
+class DashboardWidgets:
+    """The widget tree (``.widget``) and its named parts, empty until a dashboard fills them.
+
+    >>> parts = DashboardWidgets([0, 1], 1, blocking=True, can_stop=False)
+    >>> parts.rank_selector.value, parts.stop_button.disabled, sorted(parts.model_ids)[:3]
+    (1, True, ['compare', 'curve', 'curve_legend'])
+    """
+
+    def __init__(self, ranks: list[int], rank: int, *, blocking: bool, can_stop: bool) -> None:
+        layout = widgets.Layout
+        choices = [(f"rank {r}", r) for r in ranks]
+        self.header = _tagged(widgets.HTML(), "nbaccel-header")
+        self.rank_selector = _tagged(
+            widgets.Dropdown(
+                options=choices,
+                value=rank,
+                description="log",
+                # The label's default width squeezed the choice to "rank (" in JupyterLab.
+                style={"description_width": "initial"},
+                layout=layout(width="160px"),
+            ),
+            "nbaccel-rank",
+        )
+        self.stop_button = _tagged(
+            widgets.Button(
+                description="Stop", icon="stop", button_style="danger",
+                disabled=blocking or not can_stop, layout=layout(width="100px"),
+                tooltip=BLOCKING_NOTE if blocking else "Stop every worker (graceful)",
+            ),
+            "nbaccel-stop",
+        )  # fmt: skip
+        note = f"<small>{BLOCKING_NOTE}</small>" if blocking else ""
+        self.stop_note = _tagged(widgets.HTML(note), "nbaccel-stop-note")
+        self.log = _tagged(widgets.HTML(), "nbaccel-log")
+        self.errors = _tagged(widgets.HTML(), "nbaccel-errors")
+        self.metric_selector = _tagged(
+            widgets.Dropdown(options=[], description="metric", layout=layout(width="220px")),
+            "nbaccel-metric",
+        )
+        self.metric_value = _tagged(widgets.HTML(), "nbaccel-metric-value")
+        # Earlier runs of the same runs_dir to overlay; hidden until there are some.
+        self.compare = _tagged(
+            widgets.SelectMultiple(
+                options=[],
+                description="compare with",
+                rows=3,
+                style={"description_width": "initial"},
+                layout=layout(width="360px", display="none"),
+            ),
+            "nbaccel-compare",
+        )
+        self.curve_legend = _tagged(widgets.HTML(), "nbaccel-curve-legend")
+        # Images stay hidden until their first frame: an empty one shows as a broken image.
+        self.curve = _tagged(_hidden_image(), "nbaccel-curve")
+        self.memory_text = _tagged(widgets.HTML(), "nbaccel-memory-text")
+        self.memory = _tagged(_hidden_image(), "nbaccel-memory")
+        self.steps = _tagged(widgets.HTML(), "nbaccel-steps")  # step_panel.StepPanel's HTML
+        self.widget = _tagged(
+            widgets.VBox(
+                [
+                    self.header,
+                    widgets.HBox([self.rank_selector, self.stop_button, self.stop_note]),
+                    self.log,
+                    self.errors,
+                    widgets.HBox([self.metric_selector, self.metric_value]),
+                    self.compare,
+                    self.curve,
+                    self.curve_legend,
+                    self.memory_text,
+                    self.memory,
+                    self.steps,
+                ]
+            ),
+            "nbaccel-dashboard",
+        )
+
+    def close_widgets(self) -> None:
+        """Close every widget of the tree: the parts, their containers, and the layout and
+        style models each one holds (ipywidgets keeps all of them alive until closed)."""
+        _close_tree(self.widget)
+
+    @property
+    def model_ids(self) -> dict[str, str]:
+        """Widget model ids by part, to find them in a notebook's stored widget state."""
+        parts = "widget header rank_selector stop_button log errors metric_selector"
+        parts += " metric_value compare curve curve_legend memory_text memory"
+        return {part: getattr(self, part).model_id for part in parts.split()}
+
+
+def _close_tree(widget: Any) -> None:
+    for child in getattr(widget, "children", ()):
+        _close_tree(child)
+    for name in ("layout", "style"):
+        part = getattr(widget, name, None)
+        if isinstance(part, widgets.Widget):
+            part.close()
+    widget.close()
+
+
+def _hidden_image() -> Any:
+    return widgets.Image(format="png", layout=widgets.Layout(display="none"))
+
+
+def _tagged(widget: Any, dom_class: str) -> Any:
+    """Give a widget a CSS class: notebook and browser tests find the parts by it."""
+    widget.add_class(dom_class)
+    return widget
