@@ -384,6 +384,7 @@ def _check_quickstart(widgets: Widgets, cells: Any, folder: Path) -> None:
     assert "Blocking call" in widgets.text(dashboard["stop-note"])
     text, _ = _summary(launch)
     assert "loss: last" in text and "step 120/120" in text, text
+    assert "\n  rank 0 done: weight 2.0" in text, text  # rank 0's last lines stay saved
 
     run = cells.cell(nb, "launch-run")
     assert cells.result(run) == "<RunState.SUCCEEDED: 'succeeded'>"
