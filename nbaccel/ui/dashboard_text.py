@@ -112,8 +112,8 @@ def summary_text(model: DashboardModel) -> str:
 
 def log_tail_lines(model: DashboardModel) -> list[str]:
     """The last ``SUMMARY_LOG_LINES`` lines of the first rank that printed (rank 0 unless
-    ``log_ranks`` leaves it out), each cut to ``SUMMARY_LINE_CHARS``, under a line that names the rank; none if it printed
-    nothing.
+    ``log_ranks`` leaves it out), each cut to ``SUMMARY_LINE_CHARS``, under a line that
+    names the rank; none if no rank printed.
 
     >>> from nbaccel.events import LogLine
     >>> model = DashboardModel(world_size=2)

@@ -127,14 +127,18 @@ def test_notebook_01_runs_on_a_kernel_of_the_fresh_venv(venv: FreshVenv, tmp_pat
     last = "".join(out.get("text", "") for out in nb.cells[-1].outputs)
     assert f"from {venv.site}" in last and " False " in last, last  # no torch in the kernel
     assert last.strip().endswith(str(venv.python)), last
-    summaries = [
-        out["data"]["text/plain"]
+    outputs = [
+        out["data"]
         for cell in nb.cells
         for out in cell.get("outputs", [])
         if out.get("output_type") == "display_data"
         and out.get("data", {}).get("text/plain", "").startswith("nbaccel run ")
     ]
+    texts = [data["text/plain"] for data in outputs if "image/png" not in data]
+    images = [data for data in outputs if "image/png" in data]
     # The widget dashboard ran (the notebook extra's ipywidgets and matplotlib) and left its
-    # summary in each dashboard cell: the blocking launch, the Run, the failing launch.
-    assert len(summaries) == 3 and "succeeded" in summaries[0], summaries
+    # summary, a text and an image, in each dashboard cell: the blocking launch, the Run, the
+    # failing launch.
+    assert len(texts) == len(images) == 3, texts
+    assert "succeeded" in texts[0] and "failed" in texts[2], texts
     assert os.listdir(tmp_path / "nbaccel_runs"), "the runs wrote no folders"
