@@ -83,12 +83,11 @@ xla: $(XLA_STAMP) bytecode
 install-check: $(STAMP)
 	$(PY) -m pytest tests/install
 
-# docs/images/dashboard.png: the README's picture, taken by the browser test from a real
-# run in JupyterLab (Debian's chromium), then shrunk to a palette PNG.
+# docs/images/dashboard.png: the README's picture, the browser test's screenshot of the
+# dashboard in JupyterLab (Debian's chromium) half-way through a real run, made small.
 dashboard-image: $(STAMP) bytecode
 	.ci/install-browser
-	NBACCEL_DASHBOARD_IMAGE=$(CURDIR)/docs/images/dashboard.png \
-		$(PY) -m pytest tests/browser/test_dashboard_in_jupyterlab.py -k updates_live
+	.ci/dashboard-image $(PY)
 
 # The newest releases pyproject.toml allows (no lock; on this machine pip's own cap keeps
 # torch at the newest build on its disk): catches a dependency that moved since the lock
