@@ -1,5 +1,6 @@
-# The README's two commands: `make demo` (the built-in 2-process CPU training) and
-# `make test` (every suite). Both create .venv and install everything on first use.
+# Developing nbaccel (README, docs/developing.md): `make demo` (the built-in 2-process CPU
+# training) and `make test` (every suite, then a user's install from the wheel). Both create
+# .venv (the lock: a developer's environment, not a user's) and install everything on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
