@@ -82,3 +82,14 @@ def test_the_checks_catch_a_broken_link_and_a_missing_heading(tmp_path: Path) ->
     assert links(tmp_path / "b.md") == ["a.md#nothing", "a.md#title"]
     assert PRIVATE.search("fixed in issue 16") and PRIVATE.search("at 848729c")
     assert not PRIVATE.search("run 20261125-182359-ef65d8, 0.141 s")
+
+
+def test_the_reference_names_every_config_field() -> None:
+    """docs/reference.md's list of fields keeps up with the schema."""
+    import dataclasses
+
+    from nbaccel.config.schema import Config
+
+    text = (REPO / "docs" / "reference.md").read_text()
+    missing = [f.name for f in dataclasses.fields(Config) if f"`{f.name}" not in text]
+    assert not missing, f"docs/reference.md does not name the config fields {missing}"
