@@ -80,7 +80,7 @@ xla: $(XLA_STAMP) bytecode
 # A new user's path (README, "Install"): the sdist and the wheel built from this checkout,
 # a fresh venv holding only the lock's torch (the user's own build), the wheel installed
 # there with [notebook], then the README's first code block and notebook 01 run in it
-# (uv installs from its cache: ~40 s in all).
+# (uv installs from its cache: 50-100 s in all on the 2-core CI machine).
 install-check: $(STAMP)
 	$(PY) -m pytest tests/install
 
