@@ -1,5 +1,6 @@
-# The README's two commands: `make demo` (the built-in 2-process CPU training) and
-# `make test` (every suite). Both create .venv and install everything on first use.
+# Developing nbaccel (README, docs/developing.md): `make demo` (the built-in 2-process CPU
+# training) and `make test` (every suite, then a user's install from the wheel). Both create
+# .venv (the lock: a developer's environment, not a user's) and install everything on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -12,7 +13,7 @@ NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 
 .PHONY: demo test test-newest newest-venv lint unit multiprocess multihost notebook browser xla \
-	bench clean bytecode
+	install-check dashboard-image bench clean bytecode
 
 # Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
@@ -44,7 +45,7 @@ bytecode:
 demo: $(STAMP)
 	$(VENV)/bin/nbaccel demo
 
-test: lint unit multiprocess multihost notebook browser xla
+test: lint unit multiprocess multihost notebook browser xla install-check
 
 lint: $(STAMP)
 	$(PY) -m ruff check nbaccel tests benchmarks
@@ -75,6 +76,19 @@ browser: $(STAMP) bytecode
 # Accelerator on XLA. PJRT_DEVICE=CPU here; each test sets CPU_NUM_DEVICES for its workers.
 xla: $(XLA_STAMP) bytecode
 	PJRT_DEVICE=CPU $(XLA_PY) -m pytest tests/xla
+
+# A new user's path (README, "Install"): the sdist and the wheel built from this checkout,
+# a fresh venv holding only the lock's torch (the user's own build), the wheel installed
+# there with [notebook], then the README's first code block and notebook 01 run in it
+# (uv installs from its cache: 50-100 s in all on the 2-core CI machine).
+install-check: $(STAMP)
+	$(PY) -m pytest tests/install
+
+# docs/images/dashboard.png: the README's picture, the browser test's screenshot of the
+# dashboard in JupyterLab (Debian's chromium) half-way through a real run, made small.
+dashboard-image: $(STAMP) bytecode
+	.ci/install-browser
+	.ci/dashboard-image $(PY)
 
 # The newest releases pyproject.toml allows (no lock; on this machine pip's own cap keeps
 # torch at the newest build on its disk): catches a dependency that moved since the lock

@@ -61,6 +61,9 @@ def notebook_launcher(
     (``nbaccel.config.accelerate.launcher_keywords``). Any Config field is a keyword too. A failing
     rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
     the worker's traceback chained. An interrupt stops every worker and re-raises.
+    Every launch leaves a folder ``runs_dir/<run id>/`` (``./nbaccel_runs/`` by default: the
+    config, every rank's log, the metrics, the results). Where nbaccel differs from
+    Accelerate: docs/coming-from-accelerate.md.
 
     >>> import nbaccel
     >>> def world(scale):

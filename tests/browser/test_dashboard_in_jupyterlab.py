@@ -5,7 +5,8 @@ the dashboard must be rendered (no "Loading widget" / "Error displaying widget")
 log and loss curve must change without any browser action; after the run, the header says
 "succeeded" and the static summary (text and image) is in the cell output. Screenshots:
 ``browser-artifacts/test_dashboard_updates_live_and_leaves_a_summary/`` (``running.png``,
-``final.png``: the page; ``final-output.png``: the launch cell's whole output).
+``final.png``: the page; ``final-output.png``: the launch cell's whole output;
+``dashboard.png``: the dashboard alone at half the run, the README's picture).
 
 The dashboard's parts are found by their CSS classes (``nbaccel-*``,
 ``nbaccel/ui/dashboard/widgets.py``); the summary by its text ("nbaccel run <id>: ...").
@@ -85,6 +86,12 @@ class DashboardView:
         return str(self.output.inner_text())
 
 
+def _step(view: DashboardView) -> int:
+    """The step the header shows ("step 61/120"), 0 before the first."""
+    found = re.search(r"step (\d+)/", view.header.inner_text())
+    return int(found.group(1)) if found else 0
+
+
 def test_dashboard_updates_live_and_leaves_a_summary(lab_page: LabPage) -> None:
     notebook = lab_page.lab.write_notebook("dashboard.ipynb", [TRAIN, LAUNCH])
     lab_page.open(notebook)
@@ -118,6 +125,15 @@ def test_dashboard_updates_live_and_leaves_a_summary(lab_page: LabPage) -> None:
     assert not [word for word in BROKEN if word in text], text
     assert "loss = " in view.metric_value.inner_text()
     lab_page.screenshot("running")
+    # The dashboard alone, mid-run (`make dashboard-image` makes it the README's picture):
+    # taken once the curve has half the run, unless a slow machine ended the run first.
+    wait_until(
+        lambda: _step(view) >= STEPS // 2 or not view.header.inner_text().startswith("running"),
+        60,
+        "the run to reach half its steps",
+    )
+    if view.header.inner_text().startswith("running"):
+        lab_page.screenshot("dashboard", view.root)
 
     # The end: the header's state, the whole loss series, and the static summary left in the
     # cell output (text and image) so that a saved notebook keeps them.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,14 @@ def test_what_the_helper_preloads_never_touches_cuda(tmp_path: Path) -> None:
         "print('CUDA_CALLS', calls)\n"
     )
     assert "CUDA_CALLS []" in python_output(code, tmp_path)
+
+
+def test_the_accelerator_pages_first_example_runs_as_written(tmp_path: Path) -> None:
+    """docs/accelerator.md opens with a whole training loop: it runs, trains and saves."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "accelerator.md"
+    match = re.search(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
+    assert match, "docs/accelerator.md has no ```python block"
+    code = match.group(1).replace("nbaccel.notebook_launcher(", "loss = nbaccel.notebook_launcher(")
+    out = python_output(code + "print('loss', loss)\n", tmp_path)
+    assert float(out.split("loss ")[-1]) < 100, out  # rank 0's return value came back
+    assert (tmp_path / "ckpt" / "LATEST").is_file()  # save_state committed a checkpoint

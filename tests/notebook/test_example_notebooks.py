@@ -19,6 +19,7 @@ import ast
 import base64
 import hashlib
 import html
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -179,6 +180,8 @@ def test_example_notebook_runs(name: str, cells: Any, kernel_dirs: Path, tmp_pat
     folder = tmp_path / "notebooks"
     shutil.copytree(NOTEBOOKS, folder)
     nb = nbformat.read(folder / name, as_version=4)
+    if name == "07_long_runs.ipynb":
+        _another_notebooks_run(folder)  # notebook 07's clean-up must leave it
     kernel_tmp = kernel_dirs / "tmp"
     before = set(kernel_tmp.iterdir())
     updates: list[Update] = []
@@ -384,6 +387,7 @@ def _check_quickstart(widgets: Widgets, cells: Any, folder: Path) -> None:
     assert "Blocking call" in widgets.text(dashboard["stop-note"])
     text, _ = _summary(launch)
     assert "loss: last" in text and "step 120/120" in text, text
+    assert "\n  rank 0 done: weight 2.0" in text, text  # rank 0's last lines stay saved
 
     run = cells.cell(nb, "launch-run")
     assert cells.result(run) == "<RunState.SUCCEEDED: 'succeeded'>"
@@ -560,6 +564,21 @@ def _check_long_runs(widgets: Widgets, cells: Any, folder: Path) -> None:
     listed = cells.result(cells.cell(nb, "runs"))
     assert run_id[1] in listed and "succeeded" in listed, listed
     assert f"pruned 1 run folder(s): {run_id[1]}" in cells.result(cells.cell(nb, "prune"))
+    assert not (folder / "nbaccel_runs" / "07_long_runs" / run_id[1]).exists()
+    # The notebook pruned its own runs_dir: another notebook's finished run is still there.
+    assert (folder / "nbaccel_runs" / OTHER_RUN / "config.json").exists()
+
+
+OTHER_RUN = "20260101-000000-a0a0a0"
+
+
+def _another_notebooks_run(folder: Path) -> None:
+    """A finished run of another notebook in the default runs_dir, as run_listing reads it."""
+    run_dir = folder / "nbaccel_runs" / OTHER_RUN
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text("{}")
+    ended = {"time": 1767225600.0, "event": "ended", "state": "succeeded"}
+    (run_dir / "events.jsonl").write_text(json.dumps(ended) + "\n")
 
 
 CONTENT_CHECKS = {

@@ -15,6 +15,11 @@ BLOCKING_NOTE = (
     "Blocking call: to stop the run, interrupt the kernel (■ in the toolbar, or I, I). "
     "Use nbaccel.launch() for a working Stop button."
 )
+# The saved summary keeps the end of the shown rank's log, as a cell that printed would:
+# bounded, since a cell's text is saved into the notebook file (the whole log stays in
+# run.logs(rank) and the run's folder).
+SUMMARY_LOG_LINES = 20
+SUMMARY_LINE_CHARS = 300
 _STATE_COLOURS = {"running": "#1565c0", "succeeded": "#2e7d32", "failed": "#c62828"}
 
 
@@ -101,7 +106,32 @@ def summary_text(model: DashboardModel) -> str:
     if model.estimate is not None:
         lines.append(estimate_line(model.estimate))
     lines += [f"error: {error.summary}" for error in model.errors]
+    lines += log_tail_lines(model)
     return "\n".join(lines)
+
+
+def log_tail_lines(model: DashboardModel) -> list[str]:
+    """The last ``SUMMARY_LOG_LINES`` lines of the first rank that printed (rank 0 unless
+    ``log_ranks`` leaves it out), each cut to ``SUMMARY_LINE_CHARS``, under a line that
+    names the rank; none if no rank printed.
+
+    >>> from nbaccel.events import LogLine
+    >>> model = DashboardModel(world_size=2)
+    >>> for i in range(25):
+    ...     model.handle(LogLine(0, f"epoch {i}", False, False, 0.0))
+    >>> log_tail_lines(model)[:2]
+    ["rank 0's last 20 lines (all of them: run.logs(0)):", '  epoch 5']
+    """
+    rank = next((r for r in model.ranks if model.tail(r)), None)  # log_ranks may skip 0
+    if rank is None:
+        return []
+    tail = model.tail(rank)[-SUMMARY_LOG_LINES:]
+    head = f"{model.rank_label(rank)}'s last {len(tail)} lines (all of them: run.logs({rank})):"
+    cut = [
+        line if len(line) <= SUMMARY_LINE_CHARS else line[: SUMMARY_LINE_CHARS - 1] + "…"
+        for line in tail
+    ]
+    return [head, *(f"  {line}" for line in cut)]
 
 
 def header_html(head: Header, *, stopping: bool) -> str:

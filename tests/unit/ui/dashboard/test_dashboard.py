@@ -340,6 +340,9 @@ def test_final_summary_is_displayed_as_png_and_text(monkeypatch: pytest.MonkeyPa
     text_out, image_out = dash._summary_outputs  # type: ignore[misc]
     dash(RunStarted("run-1", 2, "/tmp/run-1", 0.0))  # starts the UI thread
     dash(Metric(0, 0, {"loss": 2.0}, 0.0))
+    for i in range(30):  # more than the summary keeps, and one line too long to keep whole
+        dash(line(0, f"epoch {i}" if i < 29 else "x" * 1000))
+    dash(line(1, "rank 1 is not shown"))
     dash.post_memory([MemoryReading("rank 0 (cpu)", 100, 200, 1000)])
     ended = threading.Thread(target=dash, args=(RunEnded(RunState.SUCCEEDED, None, 1.0, 1.0),))
     ended.start()  # as the run's pump thread: it returns once the summary is out
@@ -348,6 +351,13 @@ def test_final_summary_is_displayed_as_png_and_text(monkeypatch: pytest.MonkeyPa
     assert dash.summary_png is not None and dash.summary_png.startswith(PNG)
     assert "loss: last 2 at step 0" in text_out.updates[0]["text/plain"]
     assert "<pre>nbaccel run run-1: succeeded" in text_out.updates[0]["text/html"]
+    # What rank 0 printed last stays in the saved cell, bounded: 20 lines of <= 300 chars.
+    saved = text_out.updates[0]["text/plain"].splitlines()
+    log_start = saved.index("rank 0's last 20 lines (all of them: run.logs(0)):")
+    assert saved[log_start + 1 :] == [f"  epoch {i}" for i in range(10, 29)] + [
+        "  " + "x" * 299 + "…"
+    ]
+    assert "rank 1 is not shown" not in text_out.updates[0]["text/plain"]
     assert base64.b64decode(image_out.updates[0]["image/png"]) == dash.summary_png
     assert dash._thread is not None
     dash._thread.join(timeout=10)
