@@ -102,10 +102,34 @@ def plugin_settings(
         defaults, name = _deepspeed_defaults(), "DeepSpeedPlugin"
     defaulted = frozenset(k for k in defaults if k not in values and not (own or launch_chose(k)))
     values.update({k: defaults[k] for k in defaulted})
+    if isinstance(plugin, DeepSpeedPlugin) and _clips_by_default(
+        values, given, launch, launch_chose
+    ):
+        values[_CLIPPING] = _ACCELERATE_CLIPPING
+        defaulted |= {_CLIPPING}
     return PluginSettings(name, values, defaulted, given)
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
+_CLIPPING = "max_grad_norm"
+_ACCELERATE_CLIPPING = 1.0
+
+
+def _clips_by_default(
+    values: Mapping[str, Any],
+    given: Mapping[str, Any] | None,
+    launch: Config,
+    launch_chose: Callable[[str], bool],
+) -> bool:
+    """Whether Accelerate's engine would clip at 1.0 where nothing asked for clipping: its
+    plugin, without a DeepSpeed config, builds one with ``gradient_clipping: "auto"``, which
+    its ``_prepare_deepspeed`` fills with 1.0 (nbaccel's "auto" takes ``max_grad_norm``, whose
+    own default is no clipping). A config file or dict rules its own clipping, as there."""
+    if _CLIPPING in values or launch_chose(_CLIPPING) or given is not None:
+        return False
+    return not values.get("deepspeed_config_file", launch.deepspeed.config_file)
+
+
 def _deepspeed_defaults() -> dict[str, Any]:
     default = DeepSpeedOptions()  # Accelerate's plugin defaults are the same values
     return {f"deepspeed_{k}": getattr(default, k) for k in _DS_FIELDS}

@@ -352,13 +352,14 @@ def test_deepspeed_plugin_resolves_as_accelerates(
         theirs.offload_param_device,
     )
     assert ds.zero3_save_16bit_model == theirs.zero3_save_16bit_model
-    # "auto" in Accelerate: filled from the Accelerator's own value, which is the launch's here
+    # "auto" accumulation in Accelerate: filled from the Accelerator's own value, which is the
+    # launch's here; "auto" clipping: filled with 1.0 by its _prepare_deepspeed.
     steps = theirs.gradient_accumulation_steps
     clip = theirs.gradient_clipping
     assert config.gradient_accumulation_steps == (
         launch.gradient_accumulation_steps if steps == "auto" else steps
     )
-    assert config.max_grad_norm == (launch.max_grad_norm if clip == "auto" else clip)
+    assert config.max_grad_norm == (1.0 if clip == "auto" else clip)
 
 
 def test_deepspeed_plugin_with_a_config_dict_or_file(tmp_path: Path) -> None:
