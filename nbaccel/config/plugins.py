@@ -24,10 +24,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.config.fsdp_plugin import FullyShardedDataParallelPlugin, fsdp_defaults, fsdp_values
+from nbaccel.config.fsdp_plugin import (
+    FullStateDictPlacement,
+    FullyShardedDataParallelPlugin,
+    fsdp_defaults,
+    fsdp_values,
+    full_state_dict_placement,
+)
 from nbaccel.config.schema import Config
 from nbaccel.config.sections import DeepSpeedOptions
 
@@ -76,6 +82,8 @@ class PluginSettings:
     values: dict[str, Any]
     defaulted: frozenset[str] = frozenset()
     deepspeed_config: dict[str, Any] | None = None  # hf_ds_config given as a dict
+    # FSDP: where get_state_dict puts the gathered weights (the plugin's FullStateDictConfig)
+    full_state_dict: FullStateDictPlacement = field(default_factory=FullStateDictPlacement)
 
 
 def plugin_settings(
@@ -87,8 +95,9 @@ def plugin_settings(
 
     ``launch_chose(flat_name)``: whether the launch set that field explicitly (not a default).
     """
-    given = None
+    given, placement = None, FullStateDictPlacement()
     if isinstance(plugin, FullyShardedDataParallelPlugin):
+        placement = full_state_dict_placement(plugin)
         own = launch.strategy == "fsdp"
         chosen = own or launch_chose("fsdp_sharding_strategy")
         base = launch.fsdp.sharding_strategy if chosen else "FULL_SHARD"
@@ -107,7 +116,7 @@ def plugin_settings(
     ):
         values[_CLIPPING] = _ACCELERATE_CLIPPING
         defaulted |= {_CLIPPING}
-    return PluginSettings(name, values, defaulted, given)
+    return PluginSettings(name, values, defaulted, given, placement)
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------

@@ -508,6 +508,29 @@ def test_handlers_reach_the_worker_as_keywords() -> None:
     assert options.rng_types == ("torch", "generator") and options.dataloader.split_batches
 
 
+def test_a_full_state_dict_config_decides_where_get_state_dict_puts_the_weights() -> None:
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedStateDictConfig,
+    )
+
+    def placement(**kwargs: Any) -> tuple[bool, bool]:
+        plugin = FullyShardedDataParallelPlugin(**kwargs)
+        found = apply_accelerator_arguments(Config(), fsdp_plugin=plugin).full_state_dict
+        return found.offload_to_cpu, found.rank0_only
+
+    assert placement() == (True, True)  # Accelerate's default: CPU, rank 0 only
+    every_rank = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+    assert placement(state_dict_config=every_rank) == (True, False)
+    assert placement(state_dict_config=FullStateDictConfig()) == (False, False)  # torch's default
+    # The optimizer's rank0_only changes nothing nbaccel does (one file from rank 0 either way).
+    optim = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=False)
+    assert placement(optim_state_dict_config=optim) == (True, True)
+    with pytest.raises(NotImplementedError, match="offload_to_cpu=True"):
+        FullyShardedDataParallelPlugin(state_dict_config=ShardedStateDictConfig())
+
+
 # -- refusals name the value ----------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
