@@ -423,8 +423,15 @@ def test_a_different_backend_or_rendezvous_is_refused(
 
 
 def test_the_groups_own_backend_and_env_rendezvous_are_accepted(one_rank_group: None) -> None:
-    apply_init_process_group_kwargs({"backend": "gloo", "init_method": "env://"}, CPU)
-    apply_init_process_group_kwargs({"backend": "cpu:gloo,cuda:nccl"}, CPU)
+    # Accepted means applied: the timeout given beside them reaches the group, which keeps
+    # its backend (a refusal raises before anything is applied, as the test above shows).
+    seven, eight = timedelta(seconds=7), timedelta(seconds=8)
+    own = {"backend": "gloo", "init_method": "env://", "timeout": seven}
+    apply_init_process_group_kwargs(own, CPU)
+    assert group_timeout() == seven
+    apply_init_process_group_kwargs({"backend": "cpu:gloo,cuda:nccl", "timeout": eight}, CPU)
+    assert group_timeout() == eight
+    assert dist.get_backend() == "gloo"
 
 
 # -- 6. DataLoaderConfiguration ------------------------------------------------------------------
