@@ -214,19 +214,34 @@ class Checkpoints:
         return sorted(found, key=lambda p: int(p.name.split("_")[-1]))
 
     def _next_automatic_folder(self) -> Path:
-        folder = self._automatic_root() / f"checkpoint_{self.project.iteration}"
-        if folder.exists():
+        """``checkpoint_<iteration>``, decided by rank 0 alone and shared with the others.
+
+        Decided once: rank 0 creates the folder as soon as it starts saving, so a slower rank
+        that looked on its own would find it there and refuse (a race seen in one of two
+        runs). Rank 0 also prunes past ``total_limit``, as Accelerate's main process does.
+        """
+        root = self._automatic_root()
+        strategy = self.prepared.strategy
+        taken = -1  # what rank 0 shares when the folder exists: every rank refuses alike
+        decided = self.project.iteration
+        if strategy.state.is_main_process:
+            if (root / f"checkpoint_{decided}").exists():
+                decided = taken
+            else:
+                existing = self._numbered()
+                limit = self.project.total_limit
+                keep_from = len(existing) + 1 - limit if limit is not None else 0
+                for old in existing[: max(0, keep_from)]:
+                    shutil.rmtree(old, ignore_errors=True)
+        decided = strategy.share(decided)
+        if decided == taken:
             raise ValueError(
-                f"save_state: {folder} already exists; automatic naming never overwrites. "
-                "Set accelerator.project_configuration.iteration past it, or remove it."
+                f"save_state: {root / f'checkpoint_{self.project.iteration}'} already exists; "
+                "automatic naming never overwrites. Set "
+                "accelerator.project_configuration.iteration past it, or remove it."
             )
-        existing = self._numbered()
-        limit = self.project.total_limit
-        if limit is not None and self.prepared.strategy.state.is_main_process:
-            for old in existing[: max(0, len(existing) + 1 - limit)]:  # as Accelerate prunes
-                shutil.rmtree(old, ignore_errors=True)
-        self.project.iteration += 1
-        return folder
+        self.project.iteration = decided + 1
+        return root / f"checkpoint_{decided}"
 
     def _newest_automatic_folder(self) -> Path:
         numbered = self._numbered()

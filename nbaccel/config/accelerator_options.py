@@ -50,6 +50,7 @@ from nbaccel.config.accelerate.configs import (
     resolve_project,
     resolve_rng_types,
 )
+from nbaccel.config.accelerate.fsdp_plugin import FullStateDictPlacement
 from nbaccel.config.accelerate.kwargs_handlers import (
     GradientAccumulationPlugin,
     KwargsHandler,
@@ -61,6 +62,7 @@ from nbaccel.config.accelerate.kwargs_handlers import (
 from nbaccel.config.accelerate.plugins import (
     DeepSpeedPlugin,
     FullyShardedDataParallelPlugin,
+    PluginSettings,
     plugin_settings,
 )
 from nbaccel.config.deepspeed.settings import deepspeed_config
@@ -106,6 +108,8 @@ class AcceleratorOptions:
     dataloader: DataLoaderConfiguration = field(default_factory=DataLoaderConfiguration)
     rng_types: tuple[str, ...] = ("generator",)
     deepspeed_config: dict[str, Any] | None = None  # DeepSpeedPlugin(hf_ds_config={...})
+    # FSDP's get_state_dict: the plugin's FullStateDictConfig (CPU, rank 0 only by default)
+    full_state_dict: FullStateDictPlacement = field(default_factory=FullStateDictPlacement)
 
     @property
     def resolved(self) -> Resolved:
@@ -178,9 +182,8 @@ def apply_accelerator_arguments(
         seconds = init_kwargs["timeout"].total_seconds()
         put("collective_timeout", float(seconds), "kwargs handler: InitProcessGroupKwargs")
     plugin = _one_plugin(deepspeed_plugin, deepspeed_plugins, fsdp_plugin)
-    given_ds = None
-    if plugin is not None:
-        given_ds = _apply_plugin(plugin, base, sources, values, put)
+    settings = None if plugin is None else _apply_plugin(plugin, base, sources, values, put)
+    given_ds = None if settings is None else settings.deepspeed_config
     config = _replace(base, values, labels)
     if isinstance(plugin, DeepSpeedPlugin):
         deepspeed_config(config, given_ds)  # a bad DeepSpeed config fails here, not in prepare
@@ -206,6 +209,7 @@ def apply_accelerator_arguments(
         dataloader=resolve_dataloader(dataloader_config, split_batches, even_batches),
         rng_types=resolve_rng_types(rng_types),
         deepspeed_config=given_ds,
+        full_state_dict=FullStateDictPlacement() if settings is None else settings.full_state_dict,
     )
 
 
@@ -333,7 +337,7 @@ def _apply_plugin(
     sources: Mapping[str, str],
     values: dict[str, Any],
     put: Callable[[str, Any, str], None],
-) -> dict[str, Any] | None:
+) -> PluginSettings:
     settings = plugin_settings(plugin, base, lambda name: sources.get(name, "default") != "default")
     label = f"plugin: {settings.name}"
     wanted = settings.values["strategy"]
@@ -357,7 +361,7 @@ def _apply_plugin(
                 put(name, value, f"{label} (Accelerate's default)")
         else:
             put(name, value, label)
-    return settings.deepspeed_config
+    return settings
 
 
 def _replace(base: Config, values: Mapping[str, Any], labels: Mapping[str, str]) -> Config:

@@ -1,9 +1,11 @@
 """The step-time panel of the live dashboard in a real JupyterLab (issue 16, part 3).
 
-A 2-process DDP training over a prepared DataLoader of ``input_ids`` batches runs for a few
-seconds from a cell (``nbaccel.launch``). While it runs, the dashboard's step panel
-(``.nbaccel-steps``, ``nbaccel/ui/dashboard/step_panel.py``) must show a row per rank with its step
-time and a bar stacked by phase, throughput in samples/s and tokens/s, and the straggler
+A 2-process DDP training over a prepared DataLoader of ``input_ids`` batches runs from a
+cell (``nbaccel.launch``) until the test releases it (a file the ranks look for after each
+epoch, agreeing through a reduce; 120 s at most): the panel is inspected while the run is
+certainly running, however long JupyterLab took to start. While it runs, the dashboard's step
+panel (``.nbaccel-steps``, ``nbaccel/ui/dashboard/step_panel.py``) must show a row per rank with its
+step time and a bar stacked by phase, throughput in samples/s and tokens/s, and the straggler
 line; at the end the static summary names the step time. Screenshots:
 ``browser-artifacts/test_the_dashboard_explains_the_step/`` (``steps-running.png``: the
 panel; ``running.png``: the page; ``final-output.png``: the launch cell's output).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +27,10 @@ TRAIN = textwrap.dedent("""
     import nbaccel
 
 
-    def train(batches=400):
+    def train(release, limit=120):
+        import os
+        import time
+
         import torch
         from torch import nn
         from torch.utils.data import DataLoader
@@ -33,27 +39,46 @@ TRAIN = textwrap.dedent("""
         acc = nbaccel.Accelerator()
         samples = [
             {"input_ids": torch.randint(0, 100, (16,)), "labels": torch.tensor(i % 4)}
-            for i in range(batches * 8 * acc.num_processes)
+            for i in range(50 * 8 * acc.num_processes)
         ]
         model = nn.Sequential(nn.Embedding(100, 32), nn.Flatten(), nn.Linear(512, 4))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loader = DataLoader(samples, batch_size=8, shuffle=True)
         model, optimizer, loader = acc.prepare(model, optimizer, loader)
-        for batch in loader:
-            loss = nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
-            acc.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            acc.log({"loss": loss.item()})
+        deadline = time.monotonic() + limit
+        while True:  # epochs, until the test releases the run
+            for batch in loader:
+                loss = nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
+                acc.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                acc.log({"loss": loss.item()})
+            done = os.path.exists(release) or time.monotonic() > deadline
+            # Every rank stops after the same epoch: any rank's "done" ends it for all.
+            if acc.reduce(torch.tensor([float(done)]), reduction="sum").item() > 0:
+                break
+        if not os.path.exists(release):
+            raise TimeoutError(f"the test did not release the run within {limit} s")
         return loss.item()
     """).strip()
-LAUNCH = "run = nbaccel.launch(train, num_processes=2)  # returns at once: the kernel stays free"
+# Returns at once: the kernel stays free.
+LAUNCH = "run = nbaccel.launch(train, args=({release!r},), num_processes=2)"
 BROKEN = ("Loading widget", "Error displaying widget")
 ROW = re.compile(r"rank (\d)\s+([\d.]+) ms\s+([\d,]+) samples/s, ([\d,]+) tokens/s")
 
 
 def test_the_dashboard_explains_the_step(lab_page: LabPage) -> None:
-    notebook = lab_page.lab.write_notebook("steps.ipynb", [TRAIN, LAUNCH])
+    release = lab_page.lab.root / "steps.release"
+    release.unlink(missing_ok=True)
+    launch = LAUNCH.format(release=str(release))
+    notebook = lab_page.lab.write_notebook("steps.ipynb", [TRAIN, launch])
+    try:
+        check_the_running_panel_then_release(lab_page, notebook, release)
+    finally:
+        release.touch()  # a failed check must not leave the run training until its limit
+
+
+def check_the_running_panel_then_release(lab_page: LabPage, notebook: str, release: Path) -> None:
     lab_page.open(notebook)
     lab_page.run_all()
     output = lab_page.cell(1).locator(".jp-OutputArea")
@@ -87,6 +112,7 @@ def test_the_dashboard_explains_the_step(lab_page: LabPage) -> None:
     lab_page.screenshot("running")
     assert not [word for word in BROKEN if word in output.inner_text()]
 
+    release.touch()  # the ranks stop after their current epoch
     wait_until(lambda: header.inner_text().startswith("succeeded"), 120, "the run to succeed")
     summary = output.locator(".jp-OutputArea-output", has_text="step time: step ")
     wait_until(lambda: summary.count() == 1, 30, "the step-time line in the summary")

@@ -174,3 +174,48 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_whole(
         assert bool((restored["state"][name] == tensor).all())
     assert not list(checkpoint.glob(".partial-*"))
     assert len(list(checkpoint.glob("state-*"))) == 1
+
+
+def save_numbered_with_rank_1_late(project_dir: str, saves: int) -> list[str]:
+    """``save()`` ``saves`` times with automatic naming; rank 1 starts each one only after
+    rank 0 has started it (rank 0 writes a marker, then calls save_state at once)."""
+    import time
+
+    import torch
+
+    from nbaccel.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(
+        project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2
+    )
+    acc = nbaccel.Accelerator(project_config=project)
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    acc.backward(model(torch.ones(1, 2)).sum())
+    saved = []
+    for i in range(saves):
+        marker = Path(project_dir) / f"rank0-saving-{i}"
+        if acc.process_index == 0:
+            marker.touch()
+        else:
+            deadline = time.monotonic() + 60
+            while not marker.exists():  # rank 0 is in save_state by now, or about to be
+                assert time.monotonic() < deadline, "rank 0 never started saving"
+                time.sleep(0.001)
+        saved.append(acc.save_state().parent.name)
+    return saved
+
+
+def test_ranks_agree_on_the_automatic_checkpoint_folder(tmp_path: Path, runs_dir: str) -> None:
+    # Before the folder was decided by rank 0 alone, rank 1 found the checkpoint_<n> rank 0
+    # had just created and refused: "[rank 1] save_state: ... checkpoint_0 already exists".
+    run = nbaccel.launch(
+        save_numbered_with_rank_1_late,
+        args=(str(tmp_path), 4),
+        num_processes=2,
+        runs_dir=runs_dir,
+        dashboard="text",
+    )
+    run.wait(timeout=180)
+    names = [f"checkpoint_{n}" for n in range(4)]
+    assert run.results() == {0: names, 1: names}
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == names[2:]

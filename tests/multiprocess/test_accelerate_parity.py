@@ -36,7 +36,7 @@ from tests.parity import runner
 pytestmark = pytest.mark.timeout(600)
 
 DEFAULT_TOLERANCE = (1e-6, 1e-6)  # (relative, absolute)
-TOLERANCES = {"fsdp_plugin": (1e-4, 1e-6)}
+TOLERANCES = {"fsdp_plugin": (1e-4, 1e-6), "fsdp_state_dict_every_rank": (1e-4, 1e-6)}
 
 # What a program still needs from nbaccel, measured on this tree. (Fixed: Accelerate's
 # default shuffle carries one generator across epochs, its DataLoader draws the workers' base
@@ -178,6 +178,9 @@ def test_the_cuda_program_gives_accelerates_numbers_under_nbaccel(
     runner.launch_under_nbaccel((name,), tmp_path, str(tmp_path / "runs"), num_processes=gpus)
     outcome = runner.read_outcome(tmp_path, "nbaccel", name)
     assert outcome.failure() is None, outcome.failure()
-    # bf16 under ZeRO-2: the same engine on both sides, so the same numbers.
+    # bf16 under ZeRO-2: the same engine with the same config on both sides
+    # (tests/unit/accel/test_deepspeed_like_accelerate.py), and get_state_dict gives the
+    # module's bf16 weights on both. Bit-identical on DeepSpeed's CPU accelerator (1 process);
+    # 1e-4 leaves room for CUDA kernels that add atomically (embedding backward).
     found = differences(reference.result, outcome.result, (1e-4, 1e-6))
     assert not found, "\n".join(found[:12])

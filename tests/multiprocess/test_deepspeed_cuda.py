@@ -119,6 +119,29 @@ def test_zero2_with_bf16_trains_a_deepspeed_engine(tmp_path: Path, runs_dir: str
     assert {str(t.dtype) for t in saved.values()} == {"torch.float32"}
 
 
+def test_zero3_save_16bit_model_writes_deepspeeds_gathered_bf16_weights(
+    tmp_path: Path, runs_dir: str
+) -> None:
+    # The same bf16 ZeRO-3 training twice: saved as the 16-bit copy DeepSpeed gathers from every
+    # rank's partitions, then (without the option) as the fp32 master copy.
+    bf16 = {"deepspeed_zero_stage": 3, "mixed_precision": "bf16"}
+    for name, save_16bit in (("16bit", True), ("fp32", False)):
+        result = launch(
+            tmp_path / name, runs_dir, 40, "fresh", True,
+            deepspeed_zero3_save_16bit_model=save_16bit, **bf16,
+        )  # fmt: skip
+        assert result["zero_stage"] == 3
+    sixteen, masters = weights(str(tmp_path / "16bit")), weights(str(tmp_path / "fp32"))
+    shapes = {"0.weight": (64, 32), "2.weight": (1, 128), "2.bias": (1,)}
+    assert {name: tuple(t.shape) for name, t in sixteen.items()} == shapes  # whole, not a shard
+    assert {str(t.dtype) for t in sixteen.values()} == {"torch.bfloat16"}
+    assert {str(t.dtype) for t in masters.values()} == {"torch.float32"}
+    for name, master in masters.items():
+        # The training copy is the master rounded to bf16: within one bf16 step of it.
+        gap = (sixteen[name].float() - master).abs()
+        assert bool((gap <= master.abs() * 2**-8 + 1e-30).all()), name
+
+
 def test_zero3_ends_where_zero0_does(tmp_path: Path, runs_dir: str) -> None:
     for stage in (0, 3):
         result = launch(tmp_path / f"zero{stage}", runs_dir, 40, deepspeed_zero_stage=stage)

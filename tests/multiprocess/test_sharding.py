@@ -78,11 +78,28 @@ def train_blocks(per_rank: int, accumulation: int, steps: int = 3, **settings: A
         "compiled": sorted(
             name for name, m in model.named_modules() if m._compiled_call_impl is not None
         ),
+        "offloaded": offloaded_units(model),
         "reductions": reductions[0],
         "forwards_per_step": forwards[0] / len(data),
         "loss_dtype": str(losses[0]),
         "master_dtype": str(next(model.parameters()).dtype),
     }
+
+
+def offloaded_units(model: Any) -> list[str]:
+    """Shard units whose parameters FSDP2 keeps on the CPU between uses (their parameter
+    group's CPUOffloadPolicy; torch's private attributes: a release that moves them fails
+    here, not silently)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and all(p.offload_to_cpu for p in group.fsdp_params):
+                assert type(group.offload_policy).__name__ == "CPUOffloadPolicy"
+                found.append(name)
+    return sorted(found)
 
 
 def assert_close(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -216,6 +233,8 @@ def test_cpu_offload_trains_the_same(runs_dir: str) -> None:
         fsdp_cpu_offload=True,
         **BY_CLASS,
     )
+    # On CPU processes the numbers cannot tell offload from none: the policy must be there.
+    assert plain["offloaded"] == [] and offloaded["offloaded"] == ["", "0", "1", "2"]
     assert_close(plain["weights"], offloaded["weights"])
 
 

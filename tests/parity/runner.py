@@ -57,6 +57,8 @@ CPU_PROGRAMS = (
     "save_pretrained",
     "trackers",
     "fsdp_plugin",
+    "fsdp_state_dict_every_rank",
+    "automatic_checkpoint_naming",
     "batch_size_finder",
     "split_between_processes",
     "kwargs_handlers",

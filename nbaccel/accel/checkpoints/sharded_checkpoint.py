@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from nbaccel.accel.checkpoints.checkpoint_files import inside
 from nbaccel.accel.checkpoints.safe_dcp import SafePlanner, SafeReader, check_entries
@@ -177,6 +179,24 @@ def _flatten(state: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix, state)]
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole, unsharded state dict on the CPU (rank 0 gets it; every rank must call)."""
-    return dict(get_model_state_dict(model, options=_FULL))  # type: ignore[arg-type]
+def full_model_state(
+    model: torch.nn.Module, *, rank0_only: bool = True, offload_to_cpu: bool = True
+) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict; every rank must call.
+
+    Torch's ``FullStateDictConfig`` settings: ``rank0_only`` (the other ranks get ``{}``),
+    ``offload_to_cpu`` (else the tensors stay on the training device).
+    """
+    if rank0_only and offload_to_cpu:  # torch's own path: gathered into rank 0's CPU memory
+        return dict(get_model_state_dict(model, options=_FULL))  # type: ignore[arg-type]
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    full: dict[str, torch.Tensor] = {}
+    # Sharded entries are DTensors: each is gathered on every rank in the same order (a
+    # collective), one at a time, so the device holds one whole tensor beyond the model.
+    sharded = get_model_state_dict(model, options=StateDictOptions())
+    model_state: dict[str, torch.Tensor] = dict(sharded)  # type: ignore[arg-type]
+    for name, value in model_state.items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+        if keep:
+            full[name] = whole.to("cpu", copy=True) if offload_to_cpu else whole
+    return full

@@ -192,6 +192,10 @@ class Strategy:
         inner = self.unwrap_model(model, keep_autocast=True, keep_compile=False)
         return dict(inner.state_dict())
 
+    def weights_to_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What ``save_model`` writes from rank 0 (every rank must call it)."""
+        return self.full_state_dict(model)
+
     def save_model(
         self,
         model: torch.nn.Module,
@@ -202,7 +206,7 @@ class Strategy:
     ) -> None:
         """Write the consolidated weights under ``directory`` (rank 0), in one file or
         shards (``weight_files``)."""
-        weights = self.full_state_dict(model)
+        weights = self.weights_to_save(model)
         if is_main:
             weight_files.write_weights(weights, directory, max_shard_size, safe_serialization)
 

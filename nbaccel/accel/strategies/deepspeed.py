@@ -102,8 +102,10 @@ class DeepSpeed(DataParallel):
         return super().unwrap_model(model, keep_autocast, keep_compile)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        # Gathered from every rank's ZeRO partitions (stage 3: every rank must call).
-        return self._run().consolidated_state_dict()
+        # get_state_dict: Accelerate's meaning (the module's training-dtype weights on every
+        # rank at ZeRO 0-2; stage 3 gathers, and every rank must call). save_model writes the
+        # fp32 master copy instead (DeepSpeedRun.save_model).
+        return self._run().accelerate_state_dict()
 
     def save_model(
         self,

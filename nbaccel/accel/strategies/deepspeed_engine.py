@@ -40,6 +40,31 @@ def import_deepspeed(module: str = "deepspeed") -> Any:
         ) from exc
 
 
+def engine_config(ds_config: dict[str, Any], *, torch_optimizer: bool) -> dict[str, Any]:
+    """The config ``deepspeed.initialize`` gets: a copy of ``ds_config`` (filled by
+    ``fill_auto_values``) with what nbaccel adds, as Accelerate's ``_prepare_deepspeed`` does.
+
+    ``torch_optimizer``: a torch optimizer goes to the engine (not one the config names).
+
+    >>> built = engine_config({"zero_optimization": {"stage": 2}}, torch_optimizer=True)
+    >>> built["zero_allow_untested_optimizer"], built["steps_per_print"]
+    (True, 2147483647)
+    """
+    if auto_paths(ds_config):
+        raise ValueError(
+            f"The DeepSpeed config still has 'auto' in {', '.join(auto_paths(ds_config))}, "
+            "which DeepSpeed refuses. Fill it with "
+            "nbaccel.config.deepspeed.settings.fill_auto_values."
+        )
+    config = copy.deepcopy(ds_config)  # deepspeed.initialize may write into it
+    config.setdefault("steps_per_print", _QUIET)
+    if torch_optimizer:
+        # ZeRO refuses optimizers DeepSpeed did not test (SGD, say) unless allowed; a
+        # user's torch optimizer is what Accelerate lets through too.
+        config.setdefault("zero_allow_untested_optimizer", True)
+    return config
+
+
 class DeepSpeedRun:
     """One ``deepspeed.initialize``: the engine, and what the Accelerator hands out around it.
 
@@ -58,20 +83,10 @@ class DeepSpeedRun:
         scheduler_steps: int = 1,
     ) -> None:
         deepspeed = import_deepspeed()
-        if auto_paths(ds_config):
-            raise ValueError(
-                f"The DeepSpeed config still has 'auto' in {', '.join(auto_paths(ds_config))}, "
-                "which DeepSpeed refuses. Fill it with "
-                "nbaccel.config.deepspeed.settings.fill_auto_values."
-            )
-        config = copy.deepcopy(ds_config)  # deepspeed.initialize may write into it
-        config.setdefault("steps_per_print", _QUIET)
+        config = engine_config(ds_config, torch_optimizer=optimizer is not None)
         kwargs: dict[str, Any] = {"model": model, "config": config}
         if optimizer is not None:
             _refuse_both(config, "optimizer", optimizer)
-            # ZeRO refuses optimizers DeepSpeed did not test (SGD, say) unless allowed; a
-            # user's torch optimizer is what Accelerate lets through too.
-            config.setdefault("zero_allow_untested_optimizer", True)
             kwargs["optimizer"] = _cpu_optimizer_if_offloaded(optimizer, config)
         elif "optimizer" in config:  # DeepSpeed builds the optimizer the config names
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
@@ -130,8 +145,24 @@ class DeepSpeedRun:
                 "process count."
             )
 
+    def accelerate_state_dict(self) -> dict[str, torch.Tensor]:
+        """What Accelerate's ``get_state_dict`` returns under DeepSpeed; collective at ZeRO-3.
+
+        ZeRO 0-2: the engine's module holds whole weights on every rank, in the dtype it
+        trains in (bf16/fp16 under mixed precision, cast by the engine): CPU copies of them on
+        every rank, as Accelerate's ``clone_tensors_for_torch_save(module.state_dict())``. Not
+        the fp32 master copy: under bf16 the two differ by bf16 rounding (a parity program's
+        weight norm by 2e-4 relative). ZeRO-3: ``consolidated_state_dict`` (Accelerate refuses
+        without the 16-bit save; nbaccel gives the fp32 master copy then).
+        """
+        if self.zero_stage == 3:
+            return self.consolidated_state_dict()
+        module_state = self.engine.module.state_dict()
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module_state.items()}
+
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on CPU on rank 0, ``{}`` elsewhere; collective.
+        What ``save_model`` writes.
 
         Under ZeRO-3 with ``zero3_save_16bit_model`` (the config's
         stage3_gather_16bit_weights_on_model_save), Accelerate's meaning: the 16-bit training

@@ -60,8 +60,17 @@ class FullySharded(DataParallel):
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         inner = self.unwrap_model(model, keep_autocast=True, keep_compile=False)
-        # Every rank takes part in the gathering; rank 0 gets the whole, as plain CPU
-        # tensors (the others an empty dict), ready for one safetensors file.
+        # Every rank takes part in the gathering. By default rank 0 gets the whole, as plain
+        # CPU tensors (the others an empty dict), ready for one safetensors file; the
+        # plugin's FullStateDictConfig may give it to every rank, or keep it on the device.
+        placement = self.options.full_state_dict
+        return sharded_checkpoint.full_model_state(
+            inner, rank0_only=placement.rank0_only, offload_to_cpu=placement.offload_to_cpu
+        )
+
+    def weights_to_save(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        # save_model writes from rank 0's CPU memory whatever get_state_dict's placement is.
+        inner = self.unwrap_model(model, keep_autocast=True, keep_compile=False)
         return sharded_checkpoint.full_model_state(inner)
 
 

@@ -24,7 +24,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FullyShardedDataParallelPlugin", "fsdp_defaults", "fsdp_values"]
+__all__ = [
+    "FullStateDictPlacement",
+    "FullyShardedDataParallelPlugin",
+    "fsdp_defaults",
+    "fsdp_values",
+    "full_state_dict_placement",
+]
 
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 STATE_DICTS = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")  # torch's 1, 2, 3
@@ -296,19 +302,42 @@ def _state_dict_type(value: Any) -> str:
 
 
 def _check_state_dict_config(name: str, config: Any) -> None:
-    # nbaccel saves FSDP state offloaded to CPU, a full one on rank 0 only: torch's
-    # FullStateDictConfig(offload_to_cpu=True, rank0_only=True), Accelerate's default.
-    if config is None:
+    # save_state writes FSDP state offloaded to CPU, a full one from rank 0 (as Accelerate,
+    # which sets rank0_only=True itself when several processes save). Only get_state_dict
+    # reads a FullStateDictConfig's two settings (full_state_dict_placement).
+    if config is None or type(config).__name__ == "FullStateDictConfig":
         return
-    full = "Full" in type(config).__name__
-    wanted = {"offload_to_cpu": True, **({"rank0_only": True} if full else {})}
-    if all(getattr(config, key, None) is value for key, value in wanted.items()):
+    # A FullOptimStateDictConfig's rank0_only changes nothing here: save_state writes one
+    # optimizer file from rank 0 either way, and every rank loads the same state from it.
+    if getattr(config, "offload_to_cpu", None) is True:
         return
     raise NotImplementedError(
-        f"{_FSDP}({name}={config!r}): nbaccel saves FSDP state offloaded to CPU"
-        + (", a full state dict on rank 0 only" if full else "")
-        + f" ({', '.join(f'{k}={v}' for k, v in wanted.items())}). Remove it, or use those "
-        "values."
+        f"{_FSDP}({name}={config!r}): nbaccel saves FSDP state offloaded to CPU "
+        "(offload_to_cpu=True). Remove it, or use that value."
+    )
+
+
+@dataclass(frozen=True)
+class FullStateDictPlacement:
+    """Where ``get_state_dict`` puts an FSDP model's gathered weights: torch's
+    ``FullStateDictConfig`` settings (Accelerate's default: both True).
+
+    >>> full_state_dict_placement(FullyShardedDataParallelPlugin())
+    FullStateDictPlacement(offload_to_cpu=True, rank0_only=True)
+    """
+
+    offload_to_cpu: bool = True  # False: on the device the process trains on
+    rank0_only: bool = True  # False: every rank gets the whole state dict
+
+
+def full_state_dict_placement(plugin: FullyShardedDataParallelPlugin) -> FullStateDictPlacement:
+    """The plugin's ``FullStateDictConfig`` (``state_dict_config``), if it gave one."""
+    config = plugin.state_dict_config
+    if config is None or type(config).__name__ != "FullStateDictConfig":
+        return FullStateDictPlacement()
+    return FullStateDictPlacement(
+        offload_to_cpu=bool(getattr(config, "offload_to_cpu", False)),
+        rank0_only=bool(getattr(config, "rank0_only", False)),
     )
 
 

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.config.accelerate.fsdp_plugin import (
+    FullStateDictPlacement,
     FullyShardedDataParallelPlugin,
     fsdp_defaults,
     fsdp_values,
+    full_state_dict_placement,
 )
 from nbaccel.config.schema import Config
 from nbaccel.config.sections import DeepSpeedOptions
@@ -81,6 +83,8 @@ class PluginSettings:
     values: dict[str, Any]
     defaulted: frozenset[str] = frozenset()
     deepspeed_config: dict[str, Any] | None = None  # hf_ds_config given as a dict
+    # FSDP: where get_state_dict puts the gathered weights (the plugin's FullStateDictConfig)
+    full_state_dict: FullStateDictPlacement = field(default_factory=FullStateDictPlacement)
 
 
 def plugin_settings(
@@ -92,8 +96,9 @@ def plugin_settings(
 
     ``launch_chose(flat_name)``: whether the launch set that field explicitly (not a default).
     """
-    given = None
+    given, placement = None, FullStateDictPlacement()
     if isinstance(plugin, FullyShardedDataParallelPlugin):
+        placement = full_state_dict_placement(plugin)
         own = launch.strategy == "fsdp"
         chosen = own or launch_chose("fsdp_sharding_strategy")
         base = launch.fsdp.sharding_strategy if chosen else "FULL_SHARD"
@@ -107,10 +112,34 @@ def plugin_settings(
         defaults, name = _deepspeed_defaults(), "DeepSpeedPlugin"
     defaulted = frozenset(k for k in defaults if k not in values and not (own or launch_chose(k)))
     values.update({k: defaults[k] for k in defaulted})
-    return PluginSettings(name, values, defaulted, given)
+    if isinstance(plugin, DeepSpeedPlugin) and _clips_by_default(
+        values, given, launch, launch_chose
+    ):
+        values[_CLIPPING] = _ACCELERATE_CLIPPING
+        defaulted |= {_CLIPPING}
+    return PluginSettings(name, values, defaulted, given, placement)
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
+_CLIPPING = "max_grad_norm"
+_ACCELERATE_CLIPPING = 1.0
+
+
+def _clips_by_default(
+    values: Mapping[str, Any],
+    given: Mapping[str, Any] | None,
+    launch: Config,
+    launch_chose: Callable[[str], bool],
+) -> bool:
+    """Whether Accelerate's engine would clip at 1.0 where nothing asked for clipping: its
+    plugin, without a DeepSpeed config, builds one with ``gradient_clipping: "auto"``, which
+    its ``_prepare_deepspeed`` fills with 1.0 (nbaccel's "auto" takes ``max_grad_norm``, whose
+    own default is no clipping). A config file or dict rules its own clipping, as there."""
+    if _CLIPPING in values or launch_chose(_CLIPPING) or given is not None:
+        return False
+    return not values.get("deepspeed_config_file", launch.deepspeed.config_file)
+
+
 def _deepspeed_defaults() -> dict[str, Any]:
     default = DeepSpeedOptions()  # Accelerate's plugin defaults are the same values
     return {f"deepspeed_{k}": getattr(default, k) for k in _DS_FIELDS}

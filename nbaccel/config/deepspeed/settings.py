@@ -143,8 +143,11 @@ def fill_auto_values(
         wanted = mixed_precision == name
         section = ds.get(key)
         if section is None:
-            if wanted:  # as Accelerate: the run's precision is switched on if the file is silent
-                ds[key] = {"enabled": True}
+            # As Accelerate's set_mixed_precision: where the config is silent, the run's
+            # precision is switched on (fp16 with auto_cast: the engine casts float inputs to
+            # fp16, as nothing autocasts the engine's forward) and the other one off.
+            fp16_on = wanted and name == "fp16"
+            ds[key] = {"enabled": True, "auto_cast": True} if fp16_on else {"enabled": wanted}
         elif section.get("enabled", AUTO) == AUTO:
             section["enabled"] = wanted
     if isinstance(ds.get("zero_optimization"), dict):
@@ -196,8 +199,7 @@ def _from_options(options: DeepSpeedOptions) -> dict[str, Any]:
         ACCUMULATION: AUTO,
         CLIPPING: AUTO,
         "zero_optimization": zero,
-        "fp16": {"enabled": AUTO},
-        "bf16": {"enabled": AUTO},
+        # No fp16/bf16 sections, as Accelerate's plugin: fill_auto_values adds them.
     }
 
 

@@ -273,17 +273,23 @@ def test_ddp_strategy_wraps_registers_and_compiles(one_rank_group: None) -> None
 
 # -- 4. DeepSpeed: the plugin's config dict and 16-bit saving under ZeRO-3 ------------------
 class FakeEngine:
+    """DeepSpeed's engine as far as saving goes: its 16-bit gathering returns tensors of its
+    own making (float16 sevens), which nothing else would produce."""
+
     def __init__(self, module: torch.nn.Module, config: dict[str, Any]) -> None:
         self.module, self.config, self.gathered_16bit = module, config, 0
 
     def _zero3_consolidated_16bit_state_dict(self) -> dict[str, torch.Tensor]:
         self.gathered_16bit += 1
-        return {k: v.detach().to(torch.bfloat16) for k, v in self.module.state_dict().items()}
+        return {
+            k: torch.full_like(v, 7.0, dtype=torch.float16)
+            for k, v in self.module.state_dict().items()
+        }
 
 
 @pytest.fixture
 def fake_deepspeed(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
+    seen: dict[str, Any] = {"fp32 gathers": 0}
 
     def initialize(**kwargs: Any) -> tuple[Any, ...]:
         seen.update(kwargs)
@@ -291,7 +297,9 @@ def fake_deepspeed(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return engine, kwargs.get("optimizer"), None, None
 
     def full_fp32(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().float()
+        # DeepSpeed's fp32 master copy, which differs from the module's 16-bit weights.
+        seen["fp32 gathers"] += 1
+        return tensor.detach().float() + 100.0
 
     fake = types.SimpleNamespace(
         initialize=initialize, utils=types.SimpleNamespace(safe_get_full_fp32_param=full_fp32)
@@ -337,18 +345,46 @@ def test_zero3_save_16bit_model_gives_deepspeeds_16bit_weights(
 ) -> None:
     run = DeepSpeedRun(torch.nn.Linear(2, 1), None, None, zero3(True))
     state = run.consolidated_state_dict()
-    assert run.engine.gathered_16bit == 1
-    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    # DeepSpeed's gathered 16-bit tensors, handed over as they are (not the masters, no cast).
+    assert run.engine.gathered_16bit == 1 and fake_deepspeed["fp32 gathers"] == 0
     assert set(state) == {"weight", "bias"}
+    for tensor in state.values():
+        assert tensor.dtype == torch.float16 and bool((tensor == 7.0).all())
+    assert run.accelerate_state_dict().keys() == state.keys()  # get_state_dict: the same
 
 
 def test_zero3_without_16bit_saving_keeps_the_fp32_master_copy(
     fake_deepspeed: dict[str, Any],
 ) -> None:
-    run = DeepSpeedRun(torch.nn.Linear(2, 1), None, None, zero3(False))
+    model = torch.nn.Linear(2, 1)
+    run = DeepSpeedRun(model, None, None, zero3(False))
     state = run.consolidated_state_dict()
-    assert run.engine.gathered_16bit == 0
-    assert {t.dtype for t in state.values()} == {torch.float32}
+    assert run.engine.gathered_16bit == 0 and fake_deepspeed["fp32 gathers"] == 2
+    assert torch.equal(state["weight"], model.weight.detach() + 100.0)  # the masters
+
+
+def zero2_bf16() -> dict[str, Any]:
+    ds = deepspeed_config(Config(strategy="deepspeed"), {"zero_optimization": {"stage": 2}})
+    return fill_auto_values(
+        ds, micro_batch_size=2, world_size=1, accumulation_steps=1, max_grad_norm=None,
+        mixed_precision="bf16",
+    )  # fmt: skip
+
+
+def test_get_state_dict_under_zero2_is_the_modules_own_weights_as_in_accelerate(
+    fake_deepspeed: dict[str, Any],
+) -> None:
+    # DeepSpeed casts the module to bf16 and keeps fp32 masters in its optimizer. Accelerate's
+    # get_state_dict gives the module's weights (a parity program's norm differed by 2e-4 when
+    # nbaccel gave the masters); save_model keeps writing the masters.
+    model = torch.nn.Linear(2, 1).to(torch.bfloat16)
+    run = DeepSpeedRun(model, None, None, zero2_bf16())
+    state = run.accelerate_state_dict()
+    assert fake_deepspeed["fp32 gathers"] == 0
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state[name], tensor) and state[name].dtype == torch.bfloat16
+        assert state[name].data_ptr() != tensor.data_ptr()  # a copy, safe to keep
+    assert torch.equal(run.consolidated_state_dict()["weight"], model.weight.float() + 100.0)
 
 
 # -- 5. InitProcessGroupKwargs on the existing group -------------------------------------------
@@ -386,8 +422,15 @@ def test_a_different_backend_or_rendezvous_is_refused(
 
 
 def test_the_groups_own_backend_and_env_rendezvous_are_accepted(one_rank_group: None) -> None:
-    apply_init_process_group_kwargs({"backend": "gloo", "init_method": "env://"}, CPU)
-    apply_init_process_group_kwargs({"backend": "cpu:gloo,cuda:nccl"}, CPU)
+    # Accepted means applied: the timeout given beside them reaches the group, which keeps
+    # its backend (a refusal raises before anything is applied, as the test above shows).
+    seven, eight = timedelta(seconds=7), timedelta(seconds=8)
+    own = {"backend": "gloo", "init_method": "env://", "timeout": seven}
+    apply_init_process_group_kwargs(own, CPU)
+    assert group_timeout() == seven
+    apply_init_process_group_kwargs({"backend": "cpu:gloo,cuda:nccl", "timeout": eight}, CPU)
+    assert group_timeout() == eight
+    assert dist.get_backend() == "gloo"
 
 
 # -- 6. DataLoaderConfiguration ------------------------------------------------------------------

@@ -393,10 +393,20 @@ def test_trigger_sync_in_backward_restores_no_sync_flags(one_rank_group: None) -
 
 
 def test_trigger_sync_in_backward_ignores_modules_that_are_not_ddp() -> None:
-    plain = torch.nn.Linear(2, 1)
-    with trigger_sync_in_backward(plain):
-        plain(torch.ones(1, 2)).sum().backward()
-    assert plain.weight.grad is not None
+    # A module with DDP's attributes that is no DDP (FSDP's, say): left alone, as Accelerate
+    # does; a duck-typed check would flip its flag or call its reducer (which raises here).
+    class Reducer:
+        def prepare_for_backward(self, outputs: Any) -> None:
+            raise AssertionError("the reducer of a module that is not DDP was prepared")
+
+    lookalike = torch.nn.Linear(2, 1)
+    lookalike.require_backward_grad_sync = False
+    lookalike.require_forward_param_sync = False
+    lookalike.reducer = Reducer()
+    with trigger_sync_in_backward(lookalike):
+        assert lookalike.require_backward_grad_sync is False
+        assert lookalike.require_forward_param_sync is False
+    assert lookalike.require_backward_grad_sync is False
 
 
 # -- get_tracker ---------------------------------------------------------------------------

@@ -356,13 +356,14 @@ def test_deepspeed_plugin_resolves_as_accelerates(
         theirs.offload_param_device,
     )
     assert ds.zero3_save_16bit_model == theirs.zero3_save_16bit_model
-    # "auto" in Accelerate: filled from the Accelerator's own value, which is the launch's here
+    # "auto" accumulation in Accelerate: filled from the Accelerator's own value, which is the
+    # launch's here; "auto" clipping: filled with 1.0 by its _prepare_deepspeed.
     steps = theirs.gradient_accumulation_steps
     clip = theirs.gradient_clipping
     assert config.gradient_accumulation_steps == (
         launch.gradient_accumulation_steps if steps == "auto" else steps
     )
-    assert config.max_grad_norm == (launch.max_grad_norm if clip == "auto" else clip)
+    assert config.max_grad_norm == (1.0 if clip == "auto" else clip)
 
 
 def test_deepspeed_plugin_with_a_config_dict_or_file(tmp_path: Path) -> None:
@@ -509,6 +510,29 @@ def test_handlers_reach_the_worker_as_keywords() -> None:
     assert options.ddp_comm_state_option == {"a": 1}
     assert options.profile_kwargs is not None and options.profile_kwargs.with_flops
     assert options.rng_types == ("torch", "generator") and options.dataloader.split_batches
+
+
+def test_a_full_state_dict_config_decides_where_get_state_dict_puts_the_weights() -> None:
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        ShardedStateDictConfig,
+    )
+
+    def placement(**kwargs: Any) -> tuple[bool, bool]:
+        plugin = FullyShardedDataParallelPlugin(**kwargs)
+        found = apply_accelerator_arguments(Config(), fsdp_plugin=plugin).full_state_dict
+        return found.offload_to_cpu, found.rank0_only
+
+    assert placement() == (True, True)  # Accelerate's default: CPU, rank 0 only
+    every_rank = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+    assert placement(state_dict_config=every_rank) == (True, False)
+    assert placement(state_dict_config=FullStateDictConfig()) == (False, False)  # torch's default
+    # The optimizer's rank0_only changes nothing nbaccel does (one file from rank 0 either way).
+    optim = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=False)
+    assert placement(optim_state_dict_config=optim) == (True, True)
+    with pytest.raises(NotImplementedError, match="offload_to_cpu=True"):
+        FullyShardedDataParallelPlugin(state_dict_config=ShardedStateDictConfig())
 
 
 # -- refusals name the value ----------------------------------------------------------------------

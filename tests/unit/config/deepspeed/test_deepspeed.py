@@ -132,13 +132,13 @@ def test_options_alone_build_the_config() -> None:
         "train_micro_batch_size_per_gpu",
         "gradient_accumulation_steps",
         "gradient_clipping",
-        "fp16.enabled",
-        "bf16.enabled",
     }
     filled = fill(ds, accumulation_steps=4, mixed_precision="fp16")
     assert filled["gradient_accumulation_steps"] == 4 and filled["train_batch_size"] == 64
     assert "gradient_clipping" not in filled  # no clipping: DeepSpeed's default 0
-    assert filled["fp16"] == {"enabled": True} and filled["bf16"] == {"enabled": False}
+    # As Accelerate: fp16 where the config is silent casts the inputs too (auto_cast).
+    assert filled["fp16"] == {"enabled": True, "auto_cast": True}
+    assert filled["bf16"] == {"enabled": False}
     assert deepspeed_config(Config(strategy="deepspeed"))["zero_optimization"] == {"stage": 2}
 
 
@@ -319,7 +319,7 @@ def test_batch_sizes_are_filled_or_checked() -> None:
 def test_clipping_precision_and_accumulation_come_from_the_run() -> None:
     filled = fill({}, max_grad_norm=2, accumulation_steps=3, mixed_precision="bf16")
     assert filled["gradient_clipping"] == 2.0 and filled["gradient_accumulation_steps"] == 3
-    assert filled["bf16"] == {"enabled": True} and "fp16" not in filled
+    assert filled["bf16"] == {"enabled": True} and filled["fp16"] == {"enabled": False}
     assert "gradient_clipping" not in fill({"gradient_clipping": "auto"})
     assert fill({"fp16": {"enabled": "auto"}})["fp16"] == {"enabled": False}
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 for this run"):
