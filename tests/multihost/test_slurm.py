@@ -175,3 +175,44 @@ def test_a_node_whose_address_does_not_resolve_fails_at_once_and_starts_nothing(
     assert "NodeAddr that resolves on every node" in error  # the fix
     assert answer["took"] < FAILS_WITHIN_S
     assert answer["started"] == []  # no srun step, hence no agent, was started
+
+
+def test_a_killed_kernel_ends_its_agents_steps_while_the_allocation_goes_on(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    # The allocation's own script starts a "kernel" that launches and is SIGKILLed (a
+    # kernel restart in a Jupyter job): its agents must end with their srun steps, by their
+    # channel's end, while the job goes on (the job's end would end them anyway).
+    answer = in_allocation(
+        slurm_cluster,
+        tmp_path,
+        """
+        import signal, subprocess
+
+        def steps():
+            listed = subprocess.run(["squeue", "--steps", "--noheader", "--format=%i"],
+                                    capture_output=True, text=True, check=True, timeout=30)
+            return listed.stdout.split()
+
+        if sys.argv[2:] == ["kernel"]:
+            launch()
+            print("launched", flush=True)
+            sys.stdin.read()  # until killed
+        else:
+            kernel = subprocess.Popen([sys.executable, __file__, sys.argv[1], "kernel"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            said = kernel.stdout.readline().strip()  # the test's timeout bounds this wait
+            before = steps()
+            kernel.send_signal(signal.SIGKILL)
+            kernel.wait(30)
+            start = time.monotonic()
+            while (after := steps()) and time.monotonic() - start < 30:
+                time.sleep(0.05)  # polls slurmctld; bounded
+            print(json.dumps({"said": said, "before": before, "after": after,
+                              "took": time.monotonic() - start}))
+        """,
+    )
+    assert answer["said"] == "launched"
+    assert len(answer["before"]) == 2  # the two kept agents' steps
+    assert answer["after"] == [], answer
+    print(f"agents' steps gone {answer['took']:.2f} s after the kernel's SIGKILL")
