@@ -122,6 +122,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/sharding_memory.py
 	$(PY) benchmarks/multi_host_launch.py
+	$(PY) benchmarks/slurm_launch.py
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) $(NEWEST_VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache
