@@ -53,6 +53,8 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             f"{slurm.SLURMCTLD}, {slurm.SLURMD} or {slurm.MUNGED} not found: run "
             ".ci/install-browser (Debian's slurmctld, slurmd, slurm-client and munge)"
         )
+    if os.geteuid() != 0:
+        _missing("the Slurm test cluster runs its daemons as root (SlurmUser=root)")
     folder = Path(tempfile.mkdtemp(prefix="nbaccel-slurm-"))
     try:
         with slurm.serve(folder) as cluster:
