@@ -23,12 +23,17 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
 RESOLVE_TIMEOUT = 5.0  # a rendezvous address that takes longer to resolve fails the launch
+# How long a host waits for the first host's rendezvous to accept a connection. The first
+# host listens moments after it names its port (the kernel relays it only then): measured
+# well under a second; anything much longer is a firewall or an address that leads elsewhere.
+REACH_TIMEOUT = 30.0
 
 
 class JobNotFormed(Exception):
@@ -39,6 +44,34 @@ class JobNotFormed(Exception):
 
 class AddressNotResolved(JobNotFormed):
     """A rendezvous address does not resolve on this host."""
+
+
+class RendezvousUnreachable(JobNotFormed):
+    """The first host's rendezvous does not accept this host's connections."""
+
+
+def check_reaches(host: str, port: int) -> None:
+    """Return once the first host's rendezvous at ``host:port`` accepts a TCP connection
+    (closed at once: torch's store counts no such connection as a worker), retrying while
+    it is refused (not listening yet); fail after REACH_TIMEOUT, naming where and why,
+    instead of torch's store client retrying until the join timeout (15 minutes)."""
+    deadline = time.monotonic() + REACH_TIMEOUT
+    pause, why = 0.01, "no attempt"
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 5.0)):
+                return
+        except OSError as error:
+            why = error.strerror or str(error) or type(error).__name__
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))  # backoff, bounded
+        pause = min(pause * 2, 0.5)
+    raise RendezvousUnreachable(
+        f"the first host's rendezvous at {host}:{port} did not accept a connection from "
+        f"{socket.gethostname()} within {REACH_TIMEOUT:g} s (last: {why}). Every host must "
+        "reach the first host at that address and port (a free port, chosen per launch): "
+        "open the ports between the hosts in their firewall, or name the first host by an "
+        'address the others reach (with hosts="slurm", its NodeAddr).'
+    )
 
 
 def check_resolves(start: dict[str, Any], resolve: Any = socket.getaddrinfo) -> None:
@@ -159,6 +192,10 @@ def run_host(
 
     if not on_loopback_only(start):
         check_resolves(start)
+        # hosts=: node 0 listens as the kernel relays its port. (A job's machines, each
+        # launched from its own cell, may wait for machine 0 as long as join_timeout says.)
+        if start["node_rank"] != 0 and "job" not in start:
+            check_reaches(start["endpoint_host"], int(start["endpoint_port"]))
     os.environ.update(start["env"])
     if os.path.isdir(start["cwd"]):
         os.chdir(start["cwd"])
