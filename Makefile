@@ -59,7 +59,9 @@ multiprocess: $(STAMP) bytecode
 	$(PY) -m pytest tests/multiprocess
 
 # Several machines over real SSH: Debian's sshd (installed by .ci/install-browser, a no-op
-# once there), started by the tests' fixture on 127.0.0.2 and 127.0.0.3. Seconds.
+# once there), started by the tests' fixture on 127.0.0.2 and 127.0.0.3; and through srun
+# on a real two-node Slurm cluster (Debian's slurm-wlm and munge, same script) on the same
+# addresses. Seconds.
 multihost: $(STAMP) bytecode
 	.ci/install-browser
 	$(PY) -m pytest tests/multihost
@@ -134,6 +136,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/sharding_memory.py
 	$(PY) benchmarks/multi_host_launch.py
+	$(PY) benchmarks/slurm_launch.py
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) $(NEWEST_VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache

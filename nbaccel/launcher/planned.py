@@ -45,12 +45,15 @@ class JobMachine:
 class HostPlacement:
     """Where a several-machine launch runs (``hosts``): each host's share of the processes,
     and how a command runs there (ssh or srun, with the Python to run). ``job``: a machine
-    of a job launched from each machine's cell, whose one host is this machine."""
+    of a job launched from each machine's cell, whose one host is this machine.
+    ``addresses``: where each host's rendezvous binds and is reached, when not its name (a
+    Slurm node's NodeAddr)."""
 
     hosts: tuple[str, ...]
     shares: tuple[int, ...]
     shell: RemoteShell
     job: JobMachine | None = None
+    addresses: tuple[str, ...] | None = None
 
     def ranks(self) -> range:
         """The global ranks these hosts run: all of the job's, or this machine's share."""

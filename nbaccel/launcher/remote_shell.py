@@ -49,6 +49,10 @@ SSH_OPTIONS = (
 # (GRES) there. --cpu-bind=none keeps the single task, and the workers it starts, from being
 # pinned to one core by a cluster's automatic binding. --input=all sends srun's stdin to the
 # task (the default, said explicitly). --mpi=none skips PMI set-up the agent does not use.
+# --unbuffered: without it slurmstepd holds a task's stdout until a newline (or ~1 KB), and
+# the agent's binary frames have none: the first launch hung with every frame held (a real
+# slurm-wlm 22.05 cluster). With it stdout is a raw pseudo-terminal, which passed 3 MB of
+# random bytes unchanged there; stdin and stderr stay pipes.
 SRUN_OPTIONS = (
     "--nodes=1",
     "--ntasks=1",
@@ -57,6 +61,7 @@ SRUN_OPTIONS = (
     "--cpu-bind=none",
     "--mpi=none",
     "--input=all",
+    "--unbuffered",
 )
 
 
@@ -91,7 +96,7 @@ class RemoteShell:
         >>> RemoteShell("srun").argv("gpu01", ["python", "-c", "1"])
         ... # doctest: +NORMALIZE_WHITESPACE
         ['srun', '--nodes=1', '--ntasks=1', '--overlap', '--kill-on-bad-exit=1',
-         '--cpu-bind=none', '--mpi=none', '--input=all', '--nodelist=gpu01',
+         '--cpu-bind=none', '--mpi=none', '--input=all', '--unbuffered', '--nodelist=gpu01',
          'python', '-c', '1']
         """
         if not host or host.startswith("-"):

@@ -22,15 +22,99 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
+RESOLVE_TIMEOUT = 5.0  # a rendezvous address that takes longer to resolve fails the launch
+# How long a host waits for the first host's rendezvous to accept a connection. The first
+# host listens moments after it names its port (the kernel relays it only then): measured
+# well under a second; anything much longer is a firewall or an address that leads elsewhere.
+REACH_TIMEOUT = 30.0
 
 
 class JobNotFormed(Exception):
-    """The machines of a job launched from each machine's cell did not all meet."""
+    """The machines of a launch cannot all meet (a job launched from each machine's cell
+    whose machines did not, or an address that does not resolve): the agent says why as it
+    is, without a traceback."""
+
+
+class AddressNotResolved(JobNotFormed):
+    """A rendezvous address does not resolve on this host."""
+
+
+class RendezvousUnreachable(JobNotFormed):
+    """The first host's rendezvous does not accept this host's connections."""
+
+
+def check_reaches(host: str, port: int) -> None:
+    """Return once the first host's rendezvous at ``host:port`` accepts a TCP connection
+    (closed at once: torch's store counts no such connection as a worker), retrying while
+    it is refused (not listening yet); fail after REACH_TIMEOUT, naming where and why,
+    instead of torch's store client retrying until the join timeout (15 minutes)."""
+    deadline = time.monotonic() + REACH_TIMEOUT
+    pause, why = 0.01, "no attempt"
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 5.0)):
+                return
+        except OSError as error:
+            why = error.strerror or str(error) or type(error).__name__
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))  # backoff, bounded
+        pause = min(pause * 2, 0.5)
+    raise RendezvousUnreachable(
+        f"the first host's rendezvous at {host}:{port} did not accept a connection from "
+        f"{socket.gethostname()} within {REACH_TIMEOUT:g} s (last: {why}). Every host must "
+        "reach the first host at that address and port (a free port, chosen per launch): "
+        "open the ports between the hosts in their firewall, or name the first host by an "
+        'address the others reach (with hosts="slurm", its NodeAddr).'
+    )
+
+
+def check_resolves(start: dict[str, Any], resolve: Any = socket.getaddrinfo) -> None:
+    """Fail at once, naming the address, if this host cannot resolve its own rendezvous
+    address or the first host's: c10d would retry it for minutes ("The IPv6 network
+    addresses of (n1, ...) cannot be retrieved"). Each lookup is bounded by RESOLVE_TIMEOUT.
+
+    >>> check_resolves({"local_addr": "127.0.0.1", "endpoint_host": "localhost"})
+    """
+    roles = (
+        ("this host's own", start.get("local_addr")),
+        ("the first host's", start["endpoint_host"]),
+    )
+    for role, address in roles:
+        if not address:
+            continue  # None: elastic takes this host's name, as torchrun does
+        error = _resolution_error(resolve, address)
+        if error is not None:
+            raise AddressNotResolved(
+                f"{address!r}, {role} rendezvous address, does not resolve on "
+                f"{socket.gethostname()} ({error}). torch elastic binds and connects there. "
+                "Name each host as every host resolves it: an IP address, or a name in DNS "
+                "or /etc/hosts on every host (an alias of ~/.ssh/config is not); with "
+                'hosts="slurm", give the node a NodeAddr that resolves on every node.'
+            )
+
+
+def _resolution_error(resolve: Any, address: str) -> str | None:
+    """Why ``address`` does not resolve (None: it does), asked in a thread that is left
+    behind if the resolver hangs."""
+    said: list[str | None] = []
+
+    def look_up() -> None:
+        try:
+            resolve(address, None)
+            said.append(None)
+        except OSError as error:
+            said.append(str(error))
+
+    lookup = threading.Thread(target=look_up, name="nbaccel-resolve", daemon=True)
+    lookup.start()
+    lookup.join(RESOLVE_TIMEOUT)
+    return said[0] if said else f"no answer within {RESOLVE_TIMEOUT:g} s"
 
 
 def _not_formed(start: dict[str, Any], error: BaseException) -> str:
@@ -106,6 +190,12 @@ def run_host(
 
     from nbaccel.launcher.remote.agent_worker import run_elastic_worker
 
+    if not on_loopback_only(start):
+        check_resolves(start)
+        # hosts=: node 0 listens as the kernel relays its port. (A job's machines, each
+        # launched from its own cell, may wait for machine 0 as long as join_timeout says.)
+        if start["node_rank"] != 0 and "job" not in start:
+            check_reaches(start["endpoint_host"], int(start["endpoint_port"]))
     os.environ.update(start["env"])
     if os.path.isdir(start["cwd"]):
         os.chdir(start["cwd"])

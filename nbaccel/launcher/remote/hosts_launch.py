@@ -30,6 +30,7 @@ from nbaccel.launcher.remote.elastic import DEFAULT_MULTINODE_PORT
 from nbaccel.launcher.remote.hosts import processes_per_host, read_hosts
 from nbaccel.launcher.remote.preflight import local_versions
 from nbaccel.launcher.remote.remote_hosts import RemoteHosts
+from nbaccel.launcher.remote.slurm_nodes import node_addresses
 from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, write_config
@@ -44,7 +45,15 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
     config, placement = planned.resolved.config, planned.placement
     run_dir = make_run_dir(config.runs_dir, planned.run_id)
     shell, local, job = placement.shell, placement.shell.kind == "local", placement.job
-    starter = RemoteHosts(placement.hosts, placement.shares, shell, run_dir, local=local, job=job)
+    starter = RemoteHosts(
+        placement.hosts,
+        placement.shares,
+        shell,
+        run_dir,
+        local=local,
+        job=job,
+        addresses=placement.addresses,
+    )
     try:
         if local and job is None:
             env = local_worker_env(config, planned)
@@ -168,7 +177,8 @@ def _context(planned: Planned, rank: int) -> ProcessContext:
 def place_on_hosts(config: Config, env: Mapping[str, str]) -> HostPlacement:
     """Read ``config.hosts``, split ``num_processes`` over them, and check every host can
     run this launch (reachable, same nbaccel and torch): a ConfigError before anything
-    starts. ``hosts=("slurm",)`` runs through ``srun`` inside the allocation."""
+    starts. ``hosts=("slurm",)`` runs through ``srun`` inside the allocation, its rendezvous
+    at the nodes' NodeAddr (``slurm_nodes``)."""
     named: str | Sequence[str] = config.hosts
     if len(config.hosts) == 1 and (config.hosts[0] == "slurm" or os.path.isfile(config.hosts[0])):
         named = config.hosts[0]  # one entry: the allocation, or a hostfile's path
@@ -180,10 +190,12 @@ def place_on_hosts(config: Config, env: Mapping[str, str]) -> HostPlacement:
         python=config.remote_python or sys.executable,
     )
     names = [host.name for host in hosts]
+    # Slurm's node names need not resolve; its NodeAddr do (checked here: before any step).
+    addresses = tuple(node_addresses(names, env)) if named == "slurm" else None
     # A host whose agent is kept from an earlier launch passed its check then. The others'
     # agents start now, their first step the check; they import torch while the launch goes on.
     unchecked = [name for name in names if not AGENTS.has_idle(shell, name)]
     AGENTS.start_checked(
         shell, unchecked, timeout=PREFLIGHT_TIMEOUT, local_versions=local_versions()
     )
-    return HostPlacement(tuple(names), tuple(shares), shell)
+    return HostPlacement(tuple(names), tuple(shares), shell, addresses=addresses)

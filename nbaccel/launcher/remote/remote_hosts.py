@@ -58,8 +58,10 @@ class RemoteHosts:
         *,
         local: bool = False,
         job: JobMachine | None = None,
+        addresses: Sequence[str] | None = None,
     ) -> None:
         self.hosts = list(hosts)
+        self.addresses = list(addresses or hosts)  # where each rendezvous binds, is reached
         self.local = local
         self.job = job  # a machine of a job launched from each machine's cell: its agent
         self.attempt = 0  # the latest attempt any agent started (elastic's restart count)
@@ -179,8 +181,8 @@ class RemoteHosts:
         return {
             "nnodes": len(self.hosts),
             "node_rank": index,
-            "local_addr": self.hosts[index],
-            "endpoint_host": self.hosts[0],
+            "local_addr": self.addresses[index],
+            "endpoint_host": self.addresses[0],
             "endpoint_port": port,
             "rendezvous": "c10d" if self._start.get("max_restarts") else "static",
         }

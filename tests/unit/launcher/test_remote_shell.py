@@ -75,6 +75,7 @@ def test_srun_argv_is_one_overlapping_step_on_the_node_with_the_users_options_la
         "--cpu-bind=none",
         "--mpi=none",
         "--input=all",
+        "--unbuffered",  # else slurmstepd holds the agent's frames until a newline
         "--nodelist=gpu01",
         "--gres=gpu:4",
         "/venv/bin/python",
