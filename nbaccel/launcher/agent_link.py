@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.events import FrameDecoder, UnreadableFrame, encode_frame
 from nbaccel.launcher.preflight import (
     AGENT_BOOT,
     PROBE_MARK,
@@ -175,6 +175,8 @@ class AgentLink:
         data = self._read_probe(stdout)
         while data is not None:
             for message in decoder.feed(data):
+                if isinstance(message, UnreadableFrame):  # its launch ends, saying why
+                    message = {"op": "failed", "error": message.reason}
                 if self._between:
                     continue
                 if message["op"] == "done":  # set before the holder hears it, and so

@@ -355,14 +355,17 @@ def _as_it_was(env: dict[str, str], cwd: str) -> None:
 def main() -> int:
     channel = Channel()
     try:
+        starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]] = queue.Queue()
+        # The kernel's channel is read from now on, before torch is imported (1-3 s, longer
+        # on a slow host): an agent whose kernel or connection goes meanwhile (a host that
+        # failed its check, a killed kernel) leaves at once rather than after the import.
+        threading.Thread(
+            target=_follow_kernel, args=(channel, starts), name="nbaccel-agent-in", daemon=True
+        ).start()
         from nbaccel.launcher.agent_run import versions
 
         channel.send({"op": "agent", "pid": os.getpid(), **versions()})
         env, cwd = dict(os.environ), os.getcwd()
-        starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]] = queue.Queue()
-        threading.Thread(
-            target=_follow_kernel, args=(channel, starts), name="nbaccel-agent-in", daemon=True
-        ).start()
         while True:  # until the kernel's channel ends (_follow_kernel leaves for us)
             _as_it_was(env, cwd)
             _serve_one(channel, *starts.get())

@@ -47,13 +47,15 @@ def _not_formed(start: dict[str, Any], error: BaseException) -> str:
 
 
 def versions() -> dict[str, str]:
-    """What the kernel checks against its own before anything starts."""
+    """What this agent runs, for its first message; importing torch here, so that a launch
+    finds it imported. Plain strings: ``torch.__version__`` is a ``TorchVersion``, and the
+    kernel reading one would import torch (it refuses to: ``nbaccel.unpickling``)."""
     import torch
 
     return {
         "python": sys.version.split()[0],
         "nbaccel": metadata.version("nbaccel"),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "hostname": socket.gethostname(),
     }
 
