@@ -324,13 +324,15 @@ def _obey(channel: Channel, starts: queue.Queue[tuple[dict[str, Any], WorkerLink
 def _serve_one(channel: Channel, start: dict[str, Any], links: WorkerLinks) -> None:
     """Run one launch's share of this host to its end, and report it."""
     global _current
-    from nbaccel.launcher.agent_run import pick_port, run_host
+    from nbaccel.launcher.agent_run import rendezvous_listener, run_host
 
     try:
-        if start["endpoint_port"] is None:  # node 0 hosts the rendezvous: pick its port
-            start["endpoint_port"] = pick_port(start["local_addr"])
+        listener = None
+        if start["endpoint_port"] is None:  # node 0 hosts the rendezvous: its port
+            listener = rendezvous_listener(start)
+            start["endpoint_port"] = listener.getsockname()[1]
             channel.send({"op": "endpoint", "port": start["endpoint_port"]})
-        succeeded, known = run_host(start, links.address, links.stop_read)
+        succeeded, known = run_host(start, links.address, links.stop_read, listener)
         # Workers elastic stopped after another failed are not in its failures.
         stopped = 0 if succeeded else -int(signal.SIGTERM)
         if not links.finish(known, stopped):
