@@ -96,7 +96,8 @@ class RemoteHosts:
 
     def _agent_for(self, host: str) -> AgentLink:
         if self.local:  # the kernel's own environment, as it is now: a new agent each time
-            return AgentLink(host, self._shell.argv(host, [self._shell.python, *AGENT_ARGV]))
+            argv = self._shell.argv(host, [self._shell.python, *AGENT_ARGV])
+            return AgentLink(host, argv, via=self._shell.kind)
         return AGENTS.take(self._shell, host)
 
     def configure(self, start: dict[str, Any]) -> None:
@@ -234,11 +235,9 @@ class RemoteHosts:
         self._over[index].set()
         tail = self.stderr_tail(index)
         where = "on this machine" if self.local else f"on host {self.hosts[index]!r}"
-        error = (
-            f"the nbaccel agent {where} failed: {reason.strip()}"
-            + (f"\nIts last output:\n{tail}" if tail else "")
-            + f"\nThe whole output is in {self._log_paths[index]}."
-        )
+        error = f"the nbaccel agent {where} failed: {reason.strip()}"
+        if tail:  # an empty log is no place to look
+            error += f"\nIts last output:\n{tail}\nThe whole output is in {self._log_paths[index]}."
         self._post({"op": "helper_died", "error": error}, keep=True)
 
     def _post(self, message: dict[str, Any], *, keep: bool = False) -> None:
