@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from nbaccel.launcher.run_folder import private_folder
 from nbaccel.launcher.store_socket import listen_where_reached
 
 MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
@@ -114,7 +115,9 @@ def run_host(
     os.environ.update(start["env"])
     if os.path.isdir(start["cwd"]):
         os.chdir(start["cwd"])
-    Path(start["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir = Path(start["run_dir"])  # the kernel's path, on this host
+    private_folder(run_dir.parent)
+    private_folder(run_dir)
     payload_fd = os.memfd_create("nbaccel-payload")
     os.write(payload_fd, start["payload"])
     # elastic keeps a folder of per-worker error files; ours, removed at the end.

@@ -312,7 +312,10 @@ class RunPump:
         if not self._restartable(attempt) and r.exitcode is None:
             # No attempt comes after this one (restarts used up, or a stop): the rank's
             # process is gone, and waiting for elastic to return took 2-4 s more on a stop.
-            self._on_exit(r, status, selector)
+            # Its status is None where elastic reaped it before the agent read it: then its
+            # exit is elastic's to report ("exited"), not an exit code of None.
+            if status is not None:
+                self._on_exit(r, status, selector)
             return
         if status == 0:
             return
