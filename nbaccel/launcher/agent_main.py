@@ -326,8 +326,8 @@ def _serve_one(channel: Channel, start: dict[str, Any], links: WorkerLinks) -> N
     global _current
     from nbaccel.launcher.agent_run import rendezvous_listener, run_host
 
+    listener = None
     try:
-        listener = None
         if start["endpoint_port"] is None:  # node 0 hosts the rendezvous: its port
             listener = rendezvous_listener(start)
             start["endpoint_port"] = listener.getsockname()[1]
@@ -341,6 +341,8 @@ def _serve_one(channel: Channel, start: dict[str, Any], links: WorkerLinks) -> N
         links.kill_all()  # the agent is breaking (the kernel hears why): nothing stays
         raise
     finally:
+        if listener is not None:
+            listener.close()  # if no store took it (one machine's file store; a failure)
         with _current_lock:
             if _current is links:
                 _current = None

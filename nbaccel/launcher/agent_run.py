@@ -183,8 +183,6 @@ def run_host(
         raise JobNotFormed(_not_formed(start, error)) from error
     finally:
         del served
-        if listener is not None:
-            listener.close()  # one the store did not take (the one-machine file store's case)
         os.close(payload_fd)
         shutil.rmtree(elastic_dir, ignore_errors=True)
 
