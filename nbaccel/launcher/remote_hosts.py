@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -239,6 +240,9 @@ class RemoteHosts:
         if tail:  # an empty log is no place to look
             error += f"\nIts last output:\n{tail}\nThe whole output is in {self._log_paths[index]}."
         self._post({"op": "helper_died", "error": error}, keep=True)
+        # Every rank is lost: the other hosts' workers go now, so that their agents say
+        # "done" at once (the run's end waited DONE_TIMEOUT for them, then ended them).
+        self.signal(self._run_id, signal.SIGKILL)
 
     def _post(self, message: dict[str, Any], *, keep: bool = False) -> None:
         """To the run's listener; ``keep``: held for it if it has not subscribed yet."""

@@ -1,6 +1,7 @@
 """A host whose SSH connection is lost (its ssh client killed on this machine). Mid-run: the
 run fails saying so, not "the agent exited with code -9" (that -9 was the ssh client's), and
-points at no empty agent log; the agent there leaves with its workers. While the agent
+points at no empty agent log; the agent there leaves with its workers, and the other
+host's workers are stopped at once. While the agent
 imports torch (a failed check, a killed kernel): it leaves at once, not after the import."""
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def test_a_lost_ssh_connection_is_named_as_such(ssh_hosts: SshHosts, tmp_path: P
     assert (str(log) in message) == bool(log.read_text().strip()), message
     _, alive = psutil.wait_procs([agent, *workers], timeout=GONE_WITHIN_S)
     assert not alive, f"left running on {second} after its connection was lost: {alive}"
+    # The first host's workers were stopped at once, so its agent said "done" and is kept
+    # (it was ended after a 5 s wait for a "done" that could not come).
+    assert [link.host for link in AGENTS.idle_links()].count(ssh_hosts.hosts[0]) == 1
 
 
 HANGING_TORCH = """
