@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nbaccel import unpickling
+
 # A frame: this length prefix, then the pickle (encode_frame). Readers that must split a
 # stream without unpickling it (the several-machines agent) use it too.
 FRAME_HEADER = struct.Struct("<I")
@@ -260,8 +262,23 @@ def encode_frame(message: object) -> bytes:
     return FRAME_HEADER.pack(len(body)) + body
 
 
+@dataclass(frozen=True)
+class UnreadableFrame:
+    """What ``FrameDecoder`` gives in place of a frame it would not or could not read: a
+    class of a module not imported here (``unpickling.ImportRefused``), or a corrupt frame.
+    ``reason`` says which."""
+
+    reason: str
+
+
 class FrameDecoder:
-    """Reassembles messages from pipe reads of any size."""
+    """Reassembles messages from pipe reads of any size. Frames are read with
+    ``unpickling.loads`` (never importing a module, torch above all: the parent reads them);
+    one it cannot read becomes an ``UnreadableFrame`` and the frames after it still come.
+
+    >>> FrameDecoder().feed(FRAME_HEADER.pack(3) + b"bad")
+    [UnreadableFrame(reason='UnpicklingError: ...')]
+    """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
@@ -274,8 +291,12 @@ class FrameDecoder:
             end = FRAME_HEADER.size + length
             if len(self._buffer) < end:
                 break
-            messages.append(pickle.loads(bytes(self._buffer[FRAME_HEADER.size : end])))
+            body = bytes(self._buffer[FRAME_HEADER.size : end])
             del self._buffer[:end]
+            try:
+                messages.append(unpickling.loads(body))
+            except Exception as error:  # noqa: BLE001 - any bad frame: say why, read on
+                messages.append(UnreadableFrame(f"{type(error).__name__}: {error}"))
         return messages
 
 

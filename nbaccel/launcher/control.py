@@ -11,6 +11,7 @@ import os
 import pickle
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 MAX_MESSAGE = 1 << 20
@@ -37,14 +38,17 @@ def send(
         sock.sendall(data)
 
 
-def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """Next message and its fds; (None, []) when the other side has closed."""
+def receive(
+    sock: socket.socket, loads: Callable[[bytes], Any] = pickle.loads
+) -> tuple[dict[str, Any] | None, list[int]]:
+    """Next message and its fds; (None, []) when the other side has closed. The kernel reads
+    with ``loads=unpickling.loads`` (it never imports what a message names)."""
     data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
     if not data:
         for fd in fds:
             _close_quietly(fd)
         return None, []
-    message: dict[str, Any] = pickle.loads(data)
+    message: dict[str, Any] = loads(data)
     return message, fds
 
 

@@ -47,6 +47,7 @@ from nbaccel.events import (
     RunState,
     SettingsApplied,
     StepBreakdown,
+    UnreadableFrame,
     WorkerFailed,
     WorkerMessage,
     WorkerStarted,
@@ -198,6 +199,10 @@ class RunPump:
             self._emit(LogLine(r.rank, text, replace, partial, now))
 
     def _on_worker_message(self, r: RankPipes, message: object) -> None:
+        if isinstance(message, UnreadableFrame):  # the run goes on without that message
+            self._record({"event": "unreadable", "rank": r.rank, "reason": message.reason})
+            print(f"nbaccel: a message of rank {r.rank}: {message.reason}", file=sys.__stderr__)
+            return
         if not isinstance(message, WorkerMessage):
             return  # not one of nbaccel's messages: a stray write to the pipe is ignored
         # The pipe says which rank sent it: no worker speaks for another.
@@ -307,7 +312,10 @@ class RunPump:
         if not self._restartable(attempt) and r.exitcode is None:
             # No attempt comes after this one (restarts used up, or a stop): the rank's
             # process is gone, and waiting for elastic to return took 2-4 s more on a stop.
-            self._on_exit(r, status, selector)
+            # Its status is None where elastic reaped it before the agent read it: then its
+            # exit is elastic's to report ("exited"), not an exit code of None.
+            if status is not None:
+                self._on_exit(r, status, selector)
             return
         if status == 0:
             return

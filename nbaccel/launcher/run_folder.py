@@ -20,10 +20,11 @@ from nbaccel.errors import ConfigError
 
 def make_run_dir(runs_dir: str, run_id: str) -> Path:
     """Create ``runs_dir/run_id`` readable by the owner only (logs, results and config can
-    hold secrets, as Jupyter's runtime folder can), or say why it cannot be created."""
+    hold secrets, as Jupyter's runtime folder can), or say why it cannot be created.
+    ``runs_dir`` too, if nbaccel creates it (``private_folder``)."""
     run_dir = Path(runs_dir).expanduser().resolve() / run_id
     try:
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(run_dir.parent)
         run_dir.mkdir(mode=0o700)
     except OSError as error:
         raise ConfigError(
@@ -33,6 +34,27 @@ def make_run_dir(runs_dir: str, run_id: str) -> Path:
         ) from None
     run_dir.chmod(0o700)  # mkdir's mode is filtered by the umask; this is not
     return run_dir
+
+
+def private_folder(path: Path) -> None:
+    """Create the folder ``path`` (and its parents) if it is missing, the folder itself
+    owner-only (0700, whatever the umask): a runs_dir lists its runs' ids. A folder that
+    exists keeps its mode (a runs_dir shared on purpose stays shared).
+
+    >>> import stat, tempfile
+    >>> runs = Path(tempfile.mkdtemp()) / "nbaccel_runs"
+    >>> private_folder(runs)
+    >>> oct(stat.S_IMODE(runs.stat().st_mode))
+    '0o700'
+    """
+    if path.is_dir():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        return  # another launch made it at the same moment
+    path.chmod(0o700)  # mkdir's mode is filtered by the umask; this is not
 
 
 def private_file(path: Path, mode: str = "w") -> IO[Any]:

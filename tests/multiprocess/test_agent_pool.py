@@ -207,3 +207,27 @@ def test_what_an_agent_says_after_done_reaches_no_launch(pool: AgentPool, tmp_pa
     assert first.messages == [{"op": "done", "stays": True}]
     assert second.messages == [{"op": "done", "stays": True}]
     pool.give_back(SHELL, link)
+
+
+def test_a_frame_the_kernel_will_not_read_ends_the_launch_saying_why(tmp_path: Path) -> None:
+    # A frame that names a class of a module the kernel has not imported (a torch object,
+    # say) is not unpickled (that would import the module): the launch hears why and ends.
+    from tests.unit.launcher.test_unreadable_frames import ELSEWHERE, refused_frame
+
+    agent = (
+        "import os\n"
+        "print('{\"nbaccel_probe\": 1}', flush=True)\n"
+        "os.read(0, 65536)\n"  # the launch's start: it holds the link by now
+        f"os.write(1, bytes.fromhex({refused_frame().hex()!r}))\n"
+        "os.read(0, 65536)\n"
+    )
+    link = AgentLink("node1", [sys.executable, "-c", agent])
+    try:
+        holder = Holder(link, tmp_path / "agent.log")
+        link.send({"op": "start", "run": "run-1"})
+        assert holder.over.wait(TIMEOUT_S)
+        [failed] = holder.messages
+        assert failed["op"] == "failed" and f"holds a {ELSEWHERE}.Scalar" in failed["error"]
+        assert ELSEWHERE not in sys.modules
+    finally:
+        link.close()

@@ -109,6 +109,8 @@ def test_run_folder_is_private_and_checkpoints_keep_the_umask(
     run = nbaccel.launch(save_a_checkpoint, args=(str(checkpoints),), runs_dir=runs_dir)
     umask = run.result(timeout=120)
     assert stat.S_IMODE(run.run_dir.stat().st_mode) == 0o700
+    # runs_dir itself, made by this launch: its listing of run ids is private too.
+    assert stat.S_IMODE(Path(runs_dir).stat().st_mode) == 0o700
     files = list(run.run_dir.iterdir())
     assert {f.name for f in files} >= {"config.json", "events.jsonl", "rank0.log"}
     for path in files:

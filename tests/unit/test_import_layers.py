@@ -5,8 +5,9 @@
                    and the worker-side facades of Accelerate's modules: nbaccel.utils,
                    nbaccel.logging (they may import nbaccel.accel; nothing imports them)
     sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
-    base           nbaccel.config, errors, events, context, devices, env_names, xla_plan, metrics,
-                   memory_estimate: plain data, importing no side and no entry point
+    base           nbaccel.config, errors, events, unpickling, context, devices, env_names,
+                   xla_plan, metrics, memory_estimate: plain data, importing no side and no
+                   entry point
 
 Every import counts, also those inside functions (a lazy import is still a dependency).
 Besides: the parent side never imports torch at module level, so ``import nbaccel`` and a
@@ -38,6 +39,7 @@ BASE = (
     "nbaccel.config",
     "nbaccel.errors",
     "nbaccel.events",
+    "nbaccel.unpickling",
     "nbaccel.context",
     "nbaccel.devices",
     "nbaccel.env_names",

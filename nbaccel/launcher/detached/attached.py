@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbaccel import unpickling
 from nbaccel.config.schema import Config, from_flat
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import (
@@ -116,7 +117,8 @@ class AttachedRun(Run):
                 if not data:
                     break
                 for message in decoder.feed(data):
-                    self._take(message["event"])
+                    if isinstance(message, dict):  # else unreadable: the files tell the end
+                        self._take(message["event"])
         if not self._done.is_set():  # the supervisor died without reporting the end
             self._replay_files(after_live=True)
 
@@ -222,7 +224,14 @@ def _read_error(run_dir: Path) -> BaseException | None:
     path = run_dir / ERROR_FILE
     if not path.exists():
         return None
-    error: BaseException = pickle.loads(path.read_bytes())  # this user's own 0600 file
+    try:  # this user's own 0600 file, read without importing (the supervisor may have)
+        error: BaseException = unpickling.loads(path.read_bytes())
+    except unpickling.ImportRefused as refused:
+        return HelperError(
+            f"the run failed with a {refused.module}.{refused.name}, which this kernel "
+            f"cannot rebuild without importing {refused.module!r}; the traceback is in the "
+            f"ranks' logs in {run_dir}."
+        )
     return error
 
 

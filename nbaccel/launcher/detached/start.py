@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nbaccel import unpickling
 from nbaccel.errors import HelperError
 from nbaccel.launcher.detached.attached import FAILED, READY, AttachedRun
 from nbaccel.launcher.planned import Display, Planned
@@ -85,7 +86,7 @@ def _handshake(supervisor: subprocess.Popen[bytes], plan_file: str) -> None:
     if os.path.exists(plan_file):
         os.unlink(plan_file)
     if last.startswith(FAILED + " "):
-        raise pickle.loads(bytes.fromhex(last.split(" ", 1)[1]))  # its own checks' error
+        raise unpickling.loads(bytes.fromhex(last.split(" ", 1)[1]))  # its own checks' error
     raise HelperError(
         f"the detached run's supervisor did not start (exit code {supervisor.returncode}). "
         f"It said:\n{said.decode(errors='replace')[-3000:] or '(nothing)'}"

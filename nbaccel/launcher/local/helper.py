@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nbaccel import unpickling
 from nbaccel.env_names import PREWARM_VAR
 from nbaccel.errors import HelperError
 from nbaccel.launcher import control
@@ -128,7 +129,7 @@ class HelperProcess:
     def _read_loop(self) -> None:
         while True:
             try:
-                message, _ = control.receive(self._sock)
+                message, _ = control.receive(self._sock, loads=unpickling.loads)
             except OSError:
                 message = None
             if message is None:

@@ -7,12 +7,12 @@ failure is classified by cause and the rank that failed on its own wins. Stdlib 
 
 from __future__ import annotations
 
-import pickle
 import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from nbaccel import unpickling
 from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
 from nbaccel.events import WorkerFailed
 
@@ -159,8 +159,8 @@ def _original_exception(report: WorkerFailed) -> BaseException | None:
     module = report.type.rsplit(".", 1)[0]
     if report.exception is None or module.split(".")[0] not in sys.modules:
         return None
-    try:
-        error = pickle.loads(report.exception)
+    try:  # also refused: an error whose arguments hold a torch object (or any not loaded)
+        error = unpickling.loads(report.exception)
     except Exception:  # noqa: BLE001 - any failure falls back to WorkerError
         return None
     return error if isinstance(error, Exception) else None

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.events import FrameDecoder, UnreadableFrame, encode_frame
 from nbaccel.launcher.remote.preflight import (
     AGENT_BOOT,
     PROBE_MARK,
@@ -44,16 +45,19 @@ AGENT_EXIT_TIMEOUT = 10.0  # after its stdin closes, an agent kills its workers 
 READ_SIZE = 1 << 16
 EARLY_OUTPUT = 1 << 16  # what is kept of an agent's output before a launch holds it
 
-# A holder's callbacks: one message of the agent; the agent's end ("exited with code N").
+# A holder's callbacks: one message of the agent; the agent's end (``how_it_ended``).
 OnMessage = Callable[[dict[str, Any]], None]
 OnEnd = Callable[[str], None]
 
 
 class AgentLink:
-    """One agent process on ``host``, started with ``argv``, and its channel."""
+    """One agent process on ``host``, started with ``argv``, and its channel. ``via``: what
+    ``argv`` runs on this machine: ``ssh`` or ``srun`` (whose exit code is the agent's
+    unless the connection failed), or ``local`` (the agent itself)."""
 
-    def __init__(self, host: str, argv: Sequence[str]) -> None:
+    def __init__(self, host: str, argv: Sequence[str], *, via: str = "local") -> None:
         self.host = host
+        self.via = via
         self.stays = False  # its last launch ended with "done" and it waits for the next
         # Between a launch's "done" and the next "start": anything it says then belongs to no
         # launch (the agent says "done" last; this guards the next launch all the same).
@@ -126,7 +130,7 @@ class AgentLink:
         if previous is not None:
             previous.close()
         if gone:  # it left before this launch held it: the launch hears so
-            on_end(f"the agent exited with code {self._process.wait()}")
+            on_end(how_it_ended(self.via, self._process.wait(), self.pid))
 
     def release(self) -> None:
         """The launch is over: its callbacks hear nothing more (its log stays open until
@@ -175,6 +179,8 @@ class AgentLink:
         data = self._read_probe(stdout)
         while data is not None:
             for message in decoder.feed(data):
+                if isinstance(message, UnreadableFrame):  # its launch ends, saying why
+                    message = {"op": "failed", "error": message.reason}
                 if self._between:
                     continue
                 if message["op"] == "done":  # set before the holder hears it, and so
@@ -198,7 +204,7 @@ class AgentLink:
             self.stays, self._gone = False, True
             on_end = self._on_end
         if on_end is not None:
-            on_end(f"the agent exited with code {code}")
+            on_end(how_it_ended(self.via, code, self.pid))
         self._ended.set()
 
     def _read_probe(self, stdout: IO[bytes]) -> bytes | None:
@@ -319,7 +325,8 @@ class AgentPool:
         return self._start(shell, host)
 
     def _start(self, shell: RemoteShell, host: str) -> AgentLink:
-        return AgentLink(host, shell.argv(host, [shell.python, *self._agent_argv]))
+        argv = shell.argv(host, [shell.python, *self._agent_argv])
+        return AgentLink(host, argv, via=shell.kind)
 
     def give_back(self, shell: RemoteShell, link: AgentLink) -> None:
         """Keep ``link`` for the next launch if its agent said it stays; else end it."""
@@ -346,6 +353,38 @@ class AgentPool:
 
 # The kernel's agents, kept between its launches (see the module's docstring).
 AGENTS = AgentPool()
+
+
+def how_it_ended(via: str, code: int, pid: int) -> str:
+    """An agent's end in words, from the exit code of its command on this machine (``via``:
+    ``AgentLink``'s): a signal or ssh's own 255 is the connection's end, not the agent's.
+
+    >>> how_it_ended("ssh", 3, 41)
+    'the agent exited with code 3'
+    >>> print(how_it_ended("ssh", -9, 41))
+    the connection to the agent's host was lost: its ssh client (pid 41, on this machine) was ...
+    >>> print(how_it_ended("ssh", 255, 41))
+    the connection to the agent's host was lost (ssh exited with code 255: the network, the ...
+    >>> how_it_ended("local", -15, 41)
+    'the agent was killed by SIGTERM'
+    """
+    if code >= 0 and not (via == "ssh" and code == 255):
+        return f"the agent exited with code {code}"
+    if code >= 0:
+        return (
+            "the connection to the agent's host was lost (ssh exited with code 255: the "
+            "network, the host or its sshd went away)"
+        )
+    try:
+        killed = f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        killed = f"killed by signal {-code}"
+    if via == "local":
+        return f"the agent was {killed}"
+    return (
+        f"the connection to the agent's host was lost: its {via} client (pid {pid}, on this "
+        f"machine) was {killed}, and the agent there stops its workers as its channel closes"
+    )
 
 
 def _read(stream: IO[bytes]) -> bytes:

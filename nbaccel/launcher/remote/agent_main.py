@@ -325,13 +325,15 @@ def _obey(channel: Channel, starts: queue.Queue[tuple[dict[str, Any], WorkerLink
 def _serve_one(channel: Channel, start: dict[str, Any], links: WorkerLinks) -> None:
     """Run one launch's share of this host to its end, and report it."""
     global _current
-    from nbaccel.launcher.remote.agent_run import pick_port, run_host
+    from nbaccel.launcher.remote.agent_run import rendezvous_listener, run_host
 
+    listener = None
     try:
-        if start["endpoint_port"] is None:  # node 0 hosts the rendezvous: pick its port
-            start["endpoint_port"] = pick_port(start["local_addr"])
+        if start["endpoint_port"] is None:  # node 0 hosts the rendezvous: its port
+            listener = rendezvous_listener(start)
+            start["endpoint_port"] = listener.getsockname()[1]
             channel.send({"op": "endpoint", "port": start["endpoint_port"]})
-        succeeded, known = run_host(start, links.address, links.stop_read)
+        succeeded, known = run_host(start, links.address, links.stop_read, listener)
         # Workers elastic stopped after another failed are not in its failures.
         stopped = 0 if succeeded else -int(signal.SIGTERM)
         if not links.finish(known, stopped):
@@ -340,6 +342,8 @@ def _serve_one(channel: Channel, start: dict[str, Any], links: WorkerLinks) -> N
         links.kill_all()  # the agent is breaking (the kernel hears why): nothing stays
         raise
     finally:
+        if listener is not None:
+            listener.close()  # if no store took it (one machine's file store; a failure)
         with _current_lock:
             if _current is links:
                 _current = None
@@ -356,14 +360,17 @@ def _as_it_was(env: dict[str, str], cwd: str) -> None:
 def main() -> int:
     channel = Channel()
     try:
+        starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]] = queue.Queue()
+        # The kernel's channel is read from now on, before torch is imported (1-3 s, longer
+        # on a slow host): an agent whose kernel or connection goes meanwhile (a host that
+        # failed its check, a killed kernel) leaves at once rather than after the import.
+        threading.Thread(
+            target=_follow_kernel, args=(channel, starts), name="nbaccel-agent-in", daemon=True
+        ).start()
         from nbaccel.launcher.remote.agent_run import versions
 
         channel.send({"op": "agent", "pid": os.getpid(), **versions()})
         env, cwd = dict(os.environ), os.getcwd()
-        starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]] = queue.Queue()
-        threading.Thread(
-            target=_follow_kernel, args=(channel, starts), name="nbaccel-agent-in", daemon=True
-        ).start()
         while True:  # until the kernel's channel ends (_follow_kernel leaves for us)
             _as_it_was(env, cwd)
             _serve_one(channel, *starts.get())

@@ -3,8 +3,8 @@
 ``run_host`` hands torch elastic (``elastic_launch``: ``LocalElasticAgent``; the static
 rendezvous, or c10d's where elastic restarts workers) this host's workers: ``nproc`` forks of
 the agent running ``agent_worker.run_elastic_worker``. Node 0 hosts the rendezvous store on
-the port it picked (``pick_port``); every node joins it at ``host0:port``. torch is imported
-here, in the agent: never in the kernel.
+a port it picks, listening at host0's address only (``rendezvous_listener``); every node
+joins it at ``host0:port``. torch is imported here, in the agent: never in the kernel.
 
 A one-machine run (one node on a loopback address: ``hosts_launch.place_here``) listens on
 loopback only, as every one-machine run does. elastic's c10d TCPStores would listen on every
@@ -24,9 +24,13 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from nbaccel.launcher.remote.store_socket import listen_where_reached
+from nbaccel.launcher.run_folder import private_folder
 
 MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
 RESOLVE_TIMEOUT = 5.0  # a rendezvous address that takes longer to resolve fails the launch
@@ -131,26 +135,24 @@ def _not_formed(start: dict[str, Any], error: BaseException) -> str:
 
 
 def versions() -> dict[str, str]:
-    """What the kernel checks against its own before anything starts."""
+    """What this agent runs, for its first message; importing torch here, so that a launch
+    finds it imported. Plain strings: ``torch.__version__`` is a ``TorchVersion``, and the
+    kernel reading one would import torch (it refuses to: ``nbaccel.unpickling``)."""
     import torch
 
     return {
         "python": sys.version.split()[0],
         "nbaccel": metadata.version("nbaccel"),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "hostname": socket.gethostname(),
     }
 
 
-def pick_port(address: str) -> int:
-    """A free TCP port for the rendezvous store on this host (node 0).
-
-    The store binds it moments later in this process; nothing else on this host is
-    expected to take a port the kernel never named in between.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
+def rendezvous_listener(start: dict[str, Any]) -> socket.socket:
+    """Node 0's socket for the rendezvous store, on a free port, listening at the address of
+    ``endpoint_host`` (the name every host was given for node 0), not on every interface:
+    ``run_host`` hands it to the store (``store_socket``)."""
+    return listen_where_reached(start["endpoint_host"], 0, machines=start["nnodes"])
 
 
 def on_loopback_only(start: dict[str, Any]) -> bool:
@@ -173,7 +175,10 @@ def on_loopback_only(start: dict[str, Any]) -> bool:
 
 
 def run_host(
-    start: dict[str, Any], worker_address: str, stop_fd: int
+    start: dict[str, Any],
+    worker_address: str,
+    stop_fd: int,
+    listener: socket.socket | None = None,
 ) -> tuple[bool, dict[int, int]]:
     """Run this host's workers to the end: (all succeeded, exit statuses elastic knows by
     global rank: minus the signal that ended a worker). Which global ranks live here is
@@ -182,7 +187,8 @@ def run_host(
 
     ``start["max_restarts"]``: how often elastic restarts every host's workers after one
     fails (elastic's own restart: stop all, rendezvous again, start all). ``stop_fd``: the
-    read end of the agent's stop pipe, which workers check before running anything."""
+    read end of the agent's stop pipe, which workers check before running anything.
+    ``listener``: node 0's ``rendezvous_listener``, where the rendezvous store listens."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -199,7 +205,9 @@ def run_host(
     os.environ.update(start["env"])
     if os.path.isdir(start["cwd"]):
         os.chdir(start["cwd"])
-    Path(start["run_dir"]).mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir = Path(start["run_dir"])  # the kernel's path, on this host
+    private_folder(run_dir.parent)
+    private_folder(run_dir)
     payload_fd = os.memfd_create("nbaccel-payload")
     os.write(payload_fd, start["payload"])
     # elastic keeps a folder of per-worker error files; ours, removed at the end.
@@ -211,12 +219,13 @@ def run_host(
         backend = "c10d"
         endpoint = os.path.join(elastic_dir, "rendezvous")
         rdzv_configs["store_type"] = "file"
-        # torch's switch: no TCPStore of the agent's for the workers (it would listen on
-        # every interface); rank 0 of each attempt serves theirs on MASTER_ADDR.
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
         endpoint = f"{start['endpoint_host']}:{start['endpoint_port']}"
         rdzv_configs["is_host"] = start["node_rank"] == 0
+    # torch's switch: c10d's rendezvous shares no TCPStore of the agent's with the workers (on
+    # a free port, it would listen on every interface); rank 0 of each attempt serves theirs
+    # at its MASTER_ADDR (agent_worker). The static rendezvous always shares its own store.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if backend == "static":
         # Launches without restarts: torch's static rendezvous, where node_rank (not the
         # order of arrival) places the machine. A job whose machines each launch from their
@@ -239,7 +248,13 @@ def run_host(
         local_addr=start["local_addr"],  # None: this host's name, as torchrun
         logs_specs=DefaultLogsSpecs(log_dir=elastic_dir, redirects=Std.NONE, tee=Std.NONE),
     )
+    served = None
     try:
+        if listener is not None and rdzv_configs.get("store_type") != "file":
+            # The rendezvous store, on node 0's listener before elastic asks for it: elastic's
+            # store of that port is this one's server (multi-tenant: store_socket), which
+            # lives while one of them holds it: this one, until the launch ends.
+            served = _serve_store(start, listener)
         values = elastic_launch(config, run_elastic_worker)(
             worker_address,
             payload_fd,
@@ -257,5 +272,22 @@ def run_host(
             raise
         raise JobNotFormed(_not_formed(start, error)) from error
     finally:
+        del served
         os.close(payload_fd)
         shutil.rmtree(elastic_dir, ignore_errors=True)
+
+
+def _serve_store(start: dict[str, Any], listener: socket.socket) -> object:
+    """A multi-tenant store served on ``listener`` (taken over: closed with the store)."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    served: object = TCPStore(
+        start["endpoint_host"],
+        start["endpoint_port"],
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=listener.detach(),
+        wait_for_workers=False,
+        timeout=timedelta(seconds=start["join_timeout"]),
+    )
+    return served

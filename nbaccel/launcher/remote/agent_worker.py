@@ -29,6 +29,7 @@ from nbaccel.events import EventWriter, Rank0Value, WorkerStarted, encode_frame
 from nbaccel.launcher.bootstrap.memory_reports import report_memory
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, run_payload
+from nbaccel.launcher.remote.store_socket import listen_where_reached
 
 STOPPED_EXIT_CODE = 143  # 128 + SIGTERM: what a worker the stop reached would exit with
 
@@ -135,15 +136,17 @@ def _start_distributed(config: Config) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    # Not shared (a one-machine run: agent_run): rank 0 serves the store on a socket bound
+    # Not shared (c10d's rendezvous: agent_run): rank 0 serves the store on a socket bound
     # to MASTER_ADDR, where its peers connect; a TCPStore binding the port itself would
     # listen on every interface.
-    listen_fd = _listen(address, port) if not shared and rank == 0 else None
+    serves = not shared and rank == 0
+    machines = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    listen_fd = listen_where_reached(address, port, machines=machines).detach() if serves else None
     store = dist.TCPStore(  # type: ignore[attr-defined]
         address,
         port,
         world_size,
-        is_master=listen_fd is not None,
+        is_master=serves,
         timeout=timeout,
         multi_tenant=True,
         master_listen_fd=listen_fd,
@@ -159,18 +162,6 @@ def _start_distributed(config: Config) -> None:
         world_size=world_size,
         timeout=timeout,
     )
-
-
-def _listen(address: str, port: int) -> int:
-    """A socket listening on ``address:port`` only, for the store to take over (its fd)."""
-    family, kind, proto, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
-    server = socket.socket(family, kind, proto)
-    # elastic picked the port moments ago by binding and closing it; an earlier attempt's
-    # store may have used it too: its connections' TIME_WAIT must not stop the bind.
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind(where)
-    server.listen(128)
-    return server.detach()
 
 
 def _share_rank0_value(value: bytes, events: EventWriter, timeout: timedelta) -> None:

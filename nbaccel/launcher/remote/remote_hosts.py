@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,7 +99,8 @@ class RemoteHosts:
 
     def _agent_for(self, host: str) -> AgentLink:
         if self.local:  # the kernel's own environment, as it is now: a new agent each time
-            return AgentLink(host, self._shell.argv(host, [self._shell.python, *AGENT_ARGV]))
+            argv = self._shell.argv(host, [self._shell.python, *AGENT_ARGV])
+            return AgentLink(host, argv, via=self._shell.kind)
         return AGENTS.take(self._shell, host)
 
     def configure(self, start: dict[str, Any]) -> None:
@@ -236,12 +238,13 @@ class RemoteHosts:
         self._over[index].set()
         tail = self.stderr_tail(index)
         where = "on this machine" if self.local else f"on host {self.hosts[index]!r}"
-        error = (
-            f"the nbaccel agent {where} failed: {reason.strip()}"
-            + (f"\nIts last output:\n{tail}" if tail else "")
-            + f"\nThe whole output is in {self._log_paths[index]}."
-        )
+        error = f"the nbaccel agent {where} failed: {reason.strip()}"
+        if tail:  # an empty log is no place to look
+            error += f"\nIts last output:\n{tail}\nThe whole output is in {self._log_paths[index]}."
         self._post({"op": "helper_died", "error": error}, keep=True)
+        # Every rank is lost: the other hosts' workers go now, so that their agents say
+        # "done" at once (the run's end waited DONE_TIMEOUT for them, then ended them).
+        self.signal(self._run_id, signal.SIGKILL)
 
     def _post(self, message: dict[str, Any], *, keep: bool = False) -> None:
         """To the run's listener; ``keep``: held for it if it has not subscribed yet."""

@@ -122,6 +122,29 @@ def test_a_failure_with_restarts_left_stops_nobody_and_the_next_attempt_finishes
     assert [r["attempt"] for r in records if r["event"] == "restarted"] == [1]
 
 
+def test_a_worker_whose_status_elastic_took_first_is_recorded_once_with_elastics_code(
+    tmp_path: Path,
+) -> None:
+    # The agent reads a worker's status without reaping it; where elastic reaped it first
+    # the agent's "ended" says None, and events.jsonl once read "exitcode": null before the
+    # real code of the same rank.
+    run = Started(tmp_path, max_restarts=1)
+    for rank in (0, 1):
+        run.started(rank, 0)
+    run.error(1, ValueError("first attempt"))
+    run.post({"op": "worker_ended", "rank": 1, "attempt": 0, "status": 1})
+    run.post({"op": "restarted", "attempt": 1})
+    assert run.restarted.wait(WAIT_S)
+    for rank in (0, 1):
+        run.started(rank, 1)
+        run.result(rank, rank)
+        run.post({"op": "worker_ended", "rank": rank, "attempt": 1, "status": None})
+    assert run.end({0: 0, 1: 0}) is RunState.SUCCEEDED, run.run.error
+    exits = [(r["rank"], r["exitcode"]) for r in run.records() if r["event"] == "exited"]
+    assert sorted(exits) == [(0, 0), (1, 0)]
+    assert run.run.exit_code == 0
+
+
 def test_a_killed_worker_is_blamed_over_the_peer_that_saw_it_go(tmp_path: Path) -> None:
     run = Started(tmp_path, max_restarts=2)
     for rank in (0, 1):
