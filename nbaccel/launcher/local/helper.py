@@ -76,6 +76,7 @@ class HelperProcess:
         self._retired = False  # a preloaded library made it unsafe: no new launches here
         self._offered: set[str] = set()  # libraries asked for, each once
         self.preloaded: dict[str, Any] = {}  # the helper's last "preloaded" report
+        self._preload_seen = threading.Condition()
         self.preload_wanted = True  # the last launch's preload_libraries
         self._answered = threading.Event()  # "ready", "failed" or gone
         self._reader = threading.Thread(target=self._read_loop, name="nbaccel-helper", daemon=True)
@@ -118,6 +119,16 @@ class HelperProcess:
             done = self._retired and not self._listeners
         if done:  # its last run ended: a retired helper goes
             threading.Thread(target=self.close, name="nbaccel-helper-close", daemon=True).start()
+
+    def wait_preloaded(self, timeout: float) -> bool:
+        """Wait until the helper has dealt with every library offered so far (imported or
+        refused), at most ``timeout`` s; False if it did not, or is retired or gone."""
+        with self._preload_seen:
+            done = self._preload_seen.wait_for(
+                lambda: not self.usable or self.preloaded.get("asked", -1) >= len(self._offered),
+                timeout,
+            )
+        return done and self.usable
 
     def offer_modules(self, modules: list[tuple[str, str | None]]) -> None:
         """What a launch's worker imported (name, file): the libraries among them are
@@ -172,7 +183,9 @@ class HelperProcess:
                 self._answered.set()
                 continue  # requests were queued on the socket meanwhile: nothing to wait for
             if op == "preloaded":
-                self.preloaded = message
+                with self._preload_seen:
+                    self.preloaded = message
+                    self._preload_seen.notify_all()
                 continue
             if op == "preload_refused":
                 self._refused(message)
@@ -196,6 +209,8 @@ class HelperProcess:
                     listener(message)
         self._alive = False
         self._answered.set()
+        with self._preload_seen:
+            self._preload_seen.notify_all()
         code = self._process.wait()
         if self._failure is None:
             self._failure = f"the nbaccel helper process exited (code {code})"
@@ -212,7 +227,9 @@ class HelperProcess:
             + ("themselves, and a fresh helper was started" if unsafe else "themselves")
         )
         if unsafe:
-            self._retired = True
+            with self._preload_seen:
+                self._retired = True
+                self._preload_seen.notify_all()
             with self._listeners_lock:
                 idle = not self._listeners
             if idle:

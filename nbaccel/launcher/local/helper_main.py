@@ -168,14 +168,18 @@ class Helper:
             self._serve_deferred()
             while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
                 pass
-        if self.preloader.wanted:
+        if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
             with self.serving_meanwhile(), frozen_imports():
                 self.preloader.run(self.reply, between=self._serve_deferred)
-        if len(sys.modules) == loaded or self.preloader.unsafe is not None:
-            return  # nothing new (or forking is over): the spares are as good as new ones
-        for _, channel in self.spares:
-            channel.close()  # the spare reads EOF and exits; reap() collects it
-        self.spares.clear()
+        if self.preloader.unsafe is not None:
+            return  # forking is over: the spares forked before the import are all there is
+        if len(sys.modules) != loaded:  # the spares lack what was imported: new ones
+            for _, channel in self.spares:
+                channel.close()  # the spare reads EOF and exits; reap() collects it
+            self.spares.clear()
+        # Told only now: a launch that follows the report gets a spare with every import
+        # (while the imports were being served mid-way, it would have got an old spare).
+        self.reply(self.preloader.report)
 
     def _serve_deferred(self) -> None:
         """Requests read mid-import, served between two imports (forking is safe there)."""

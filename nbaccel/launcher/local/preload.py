@@ -156,8 +156,9 @@ class Preloader:
 
     ``ask`` adds names (each once, however often asked); ``run`` imports them in order,
     checked, between ``between()`` calls (the helper serves requests that waited there),
-    and replies: ``preload_refused`` for each refused library (``unsafe``: the helper must
-    not fork again) and ``preloaded`` with the helper's memory at the end.
+    replies ``preload_refused`` for each refused library (``unsafe``: the helper must not
+    fork again) and leaves in ``report`` the ``preloaded`` message, with the helper's
+    memory, which the helper sends once its spares are as new as its imports.
     """
 
     def __init__(self, max_growth: int = MAX_GROWTH_BYTES) -> None:
@@ -165,6 +166,7 @@ class Preloader:
         self.pending: list[str] = []
         self.asked: set[str] = set()
         self.unsafe: str | None = None  # why the helper may not fork any more
+        self.report: dict[str, Any] = {}
         self._base_rss: int | None = None
 
     @property
@@ -201,12 +203,11 @@ class Preloader:
                 return
             between()
         rss = process.memory_info().rss
-        reply(
-            {
-                "op": "preloaded",
-                "rss": rss,
-                "grown": rss - self._base_rss,
-                "capped": capped,
-                "modules": len(sys.modules),
-            }
-        )
+        self.report = {
+            "op": "preloaded",
+            "rss": rss,
+            "grown": rss - self._base_rss,
+            "capped": capped,
+            "modules": len(sys.modules),
+            "asked": len(self.asked) - len(self.pending),  # names dealt with so far
+        }

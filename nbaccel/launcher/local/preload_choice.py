@@ -35,9 +35,9 @@ from collections.abc import Iterable, Mapping
 from importlib import metadata
 from types import ModuleType
 
-# The kernel's machinery and the launcher's own start-up: never worth a worker's memory
-# (workers do not use them) and some start threads or sockets when used. Matched on the
-# top-level package name.
+# The kernel's machinery, test runners and the launcher's own start-up: never worth a
+# worker's memory (workers do not use them) and some start threads or sockets when used.
+# Matched on the top-level package name.
 KERNEL_MACHINERY = frozenset(
     {
         "IPython",
@@ -67,6 +67,10 @@ KERNEL_MACHINERY = frozenset(
         "backcall",
         "wcwidth",
         "nbaccel",
+        "pytest",
+        "_pytest",
+        "pluggy",
+        "iniconfig",
         "_pydevd_bundle",
         "_pydev_bundle",
         "_pydevd_frame_eval",
