@@ -14,7 +14,10 @@ from tests.multiprocess.conftest import run_script
 # The driver's "installed libraries": a folder of stand-ins that counts as site-packages
 # (PreloadChoice's roots) and is on the helper's path (PYTHONPATH, which it inherits).
 STAND_INS = {
-    "thready.py": "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
+    "thready.py": (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    ),
     "cudaish.py": "import torch\ntorch.cuda.is_initialized = lambda: True  # says it did\n",
     "handlery.py": "import signal\nsignal.signal(signal.SIGUSR2, lambda *a: None)\n",
     "quiet_lib.py": "VALUE = 'from the helper'\n",
