@@ -219,6 +219,26 @@ class WorkerFailed:
     time: float
 
 
+@dataclass(frozen=True)
+class ModulesImported:
+    """The modules rank 0 imported while it ran, as (name, file) pairs (worker -> parent
+    only): the parent picks the installed libraries among them for the helper to preload
+    before the next launch (``launcher.local.preload_choice``). Plain strings: nothing the
+    parent unpickles imports anything."""
+
+    rank: int
+    modules: tuple[tuple[str, str | None], ...]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the launcher tells about a launch (parent only), shown as ``nbaccel: text``:
+    e.g. a library the helper would not preload, and why."""
+
+    text: str
+    time: float
+
+
 # What a worker sends on its event pipe: these dataclasses, pickled, and nothing else. The
 # parent takes each by its type (``launcher.pump``) and sets ``rank`` from the pipe it came
 # on, so no worker can speak for another rank.
@@ -232,6 +252,7 @@ WorkerMessage = (
     | ResultReady
     | Rank0Value
     | WorkerFailed
+    | ModulesImported
 )
 
 
@@ -247,6 +268,7 @@ Event = (
     | RankExited
     | RunRestarted
     | RunEnded
+    | Notice
 )
 
 

@@ -193,6 +193,12 @@ class Config:
         "older ones are read back from run_dir/events.jsonl when asked for.",
         minimum=0,
     )
+    preload_libraries: bool = schema_field(
+        True,
+        "Have the helper import, before it forks the next launch's workers, the installed "
+        "libraries the kernel and the last launch's workers imported (never the notebook's "
+        "own modules or editable installs), so a relaunch does not pay their imports again.",
+    )
     detach: bool = schema_field(
         False,
         "Run the workers under a supervisor of their own that outlives the kernel: restarting "

@@ -5,6 +5,10 @@ imports torch (1-3 s). A notebook user imports nbaccel seconds before launching,
 helper can be started then, in the background: the first launch finds it ready (with
 spares forked and the Accelerator preloaded) and costs what a later one does.
 
+After every cell the kernel runs, the helper is offered the installed libraries the kernel
+has imported by then (``helper.offer_libraries``): it imports them in the background while
+the user writes the next cell, so the launch after an import cell finds them loaded.
+
 Only in a kernel: a plain script launches right after its imports, has nothing to gain and
 should not get a process it did not ask for. ``NBACCEL_PREWARM=0`` turns it off (the one
 environment variable read at import; the name lives in ``nbaccel.env_names``).
@@ -25,7 +29,12 @@ import warnings
 from collections.abc import Mapping
 
 from nbaccel.env_names import PREWARM_VAR
-from nbaccel.launcher.local.helper import HELPER_START_TIMEOUT_S, shared_helper
+from nbaccel.launcher.local.helper import (
+    HELPER_START_TIMEOUT_S,
+    current_helper,
+    offer_libraries,
+    shared_helper,
+)
 
 # The words nbaccel's boolean options take (nbaccel.config.field_values.parse_text).
 _ON = frozenset({"", "1", "true", "yes", "on", "y"})
@@ -76,6 +85,7 @@ def prewarm(env: Mapping[str, str], *, in_kernel: bool) -> threading.Thread | No
         return None
     thread = threading.Thread(target=_warm_up, name="nbaccel-prewarm", daemon=True)
     thread.start()
+    watch_cells()  # here, on the kernel's main thread, where IPython runs its callbacks
     return thread
 
 
@@ -93,3 +103,25 @@ def _warm_up() -> None:
             warm_planning()
     except Exception:  # noqa: BLE001 - nobody to report to: the first launch starts the
         pass  # helper again and raises the reason there, and plans with the user's settings
+
+
+def watch_cells() -> bool:
+    """Offer the helper the kernel's libraries after each cell (IPython's ``post_run_cell``);
+    whether there was a kernel's shell to watch. Registered once per shell."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return False
+    callbacks = shell.events.callbacks.get("post_run_cell", [])
+    if _after_cell not in callbacks:
+        shell.events.register("post_run_cell", _after_cell)
+    return True
+
+
+def _after_cell(*_: object) -> None:
+    try:
+        helper = current_helper()
+        if helper is not None:
+            offer_libraries(helper)
+    except Exception:  # noqa: BLE001 - an offer is an optimisation: the launch offers again
+        pass

@@ -15,6 +15,7 @@ from typing import TextIO
 from nbaccel.events import (
     Event,
     LogLine,
+    Notice,
     RunEnded,
     RunRestarted,
     RunState,
@@ -77,6 +78,11 @@ class TextPrinter:
             self._open_rank = None
         elif isinstance(event, StepBreakdown):
             self._steps.add(event)
+        elif isinstance(event, Notice):
+            self._stream.write(
+                ("\n" if self._open_rank is not None else "") + f"nbaccel: {event.text}\n"
+            )
+            self._open_rank = None
         elif isinstance(event, RunRestarted):
             self._stream.write(
                 ("\n" if self._open_rank is not None else "") + f"nbaccel: {restart_line(event)}\n"

@@ -40,6 +40,7 @@ from nbaccel.events import (
     LogLine,
     Metric,
     ModelPrepared,
+    ModulesImported,
     Rank0Value,
     RankExited,
     ResultReady,
@@ -242,6 +243,8 @@ class RunPump:
                 self._keep_result(0, message.value)
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
+            case ModulesImported() if self._helper is not None:  # for the next launch
+                self._helper.offer_modules(list(message.modules))
             case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own
                 self._emit(message)
 

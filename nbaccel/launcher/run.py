@@ -20,7 +20,7 @@ from typing import Any
 
 from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.errors import HelperError, RunCancelled
-from nbaccel.events import RunStarted, RunState
+from nbaccel.events import Notice, RunStarted, RunState
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
@@ -60,6 +60,7 @@ class Run(RunPump):
         self.xla_device = xla.device if xla else None
         self._state = RunState.PENDING
         self._subscribers: list[Subscriber] = []
+        self.notices: list[str] = []  # told as Notice events once the run has started
         # Rank 0's latest metrics; all of them are in events.jsonl. The lock guards both,
         # so that run.metrics can flush the file from the user's thread.
         self._metrics: deque[dict[str, Any]] = deque(maxlen=config.metrics_in_memory)
@@ -218,6 +219,8 @@ class Run(RunPump):
             raise
         self._state = RunState.RUNNING
         self._emit(RunStarted(self.run_id, self.world_size, str(self.run_dir), time.time()))
+        for text in self.notices:
+            self._emit(Notice(text, time.time()))
         threading.Thread(target=self._pump, name=f"nbaccel-run-{self.run_id}", daemon=True).start()
 
     def _start_supervisor(

@@ -3,7 +3,7 @@
 Three implementations: the helper process on this machine (``helper.HelperProcess``: a
 fork per rank, or one torch_xla supervisor for every rank) and one agent per host on
 several machines (``remote_hosts.RemoteHosts``). A new way to start workers is a new class
-with these four methods; ``Run`` and its pump stay as they are. Stdlib only.
+with these methods; ``Run`` and its pump stay as they are. Stdlib only.
 """
 
 from __future__ import annotations
@@ -36,3 +36,7 @@ class WorkerStarter(Protocol):
 
     def host_of(self, rank: int) -> str | None:
         """The host a rank runs on, where there are several (None: this machine)."""
+
+    def offer_modules(self, modules: list[tuple[str, str | None]]) -> None:
+        """What rank 0 imported, (name, file): libraries to have ready for the next launch
+        (the helper preloads them; other starters may ignore it)."""

@@ -26,7 +26,7 @@ import torch
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
-from nbaccel.events import EventWriter, ResultReady, WorkerFailed
+from nbaccel.events import EventWriter, ModulesImported, ResultReady, WorkerFailed
 from nbaccel.launcher.bootstrap import pickling, script
 from nbaccel.launcher.bootstrap.payload import read_payload
 from nbaccel.xla_plan import XlaPlan
@@ -61,6 +61,7 @@ def run_payload(
     0's store up; where machines launch from their own cells, rank 0's value travels);
     ``explain`` may give a failure a note with the fix (kept: the exception keeps its type).
     """
+    loaded_before = set(sys.modules)  # what the helper (or the interpreter) had already
     try:
         payload = pickle.loads(read_payload(payload_fd))
         os.close(payload_fd)
@@ -81,6 +82,8 @@ def run_payload(
                 raise
             value = None
         dumped = _dump_result(context.rank, value)
+        if context.rank == 0 and config.preload_libraries:
+            events.send(ModulesImported(0, imported_since(loaded_before)))
         events.send(ResultReady(context.rank, dumped))
         finish(dumped)
         return 0
@@ -92,6 +95,15 @@ def run_payload(
         # sys.exit(n) keeps its code, as under torchrun; anything else exits with 1.
         code = getattr(error, "code", 1) if isinstance(error, SystemExit) else 1
         return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+def imported_since(loaded_before: set[str]) -> tuple[tuple[str, str | None], ...]:
+    """The modules imported since ``loaded_before``, with their files (plain strings)."""
+    return tuple(
+        (name, getattr(module, "__file__", None))
+        for name, module in list(sys.modules.items())
+        if name not in loaded_before
+    )
 
 
 def _dump_result(rank: int, value: Any) -> bytes:

@@ -9,6 +9,12 @@ HelperError and the next launch starts a new one.
 In a Jupyter kernel the helper is started at ``import nbaccel`` (``nbaccel.launcher.prewarm``)
 from a background thread, through the same ``shared_helper`` a launch calls: one lock, so a
 launch that comes meanwhile waits for that start instead of making a second helper.
+
+``offer_libraries`` tells the helper which installed libraries this process (and the last
+launch's workers) imported, for it to preload before forking the next spares
+(``preload_choice`` picks them; the helper checks each). A library that made the helper
+unsafe to fork retires that helper: the next launch starts a fresh one that never imports
+it, and its text output says so.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from nbaccel import unpickling
 from nbaccel.env_names import PREWARM_VAR
 from nbaccel.errors import HelperError
 from nbaccel.launcher import control
+from nbaccel.launcher.local.preload_choice import PreloadChoice
 from nbaccel.launcher.starter import StarterListener
 
 
@@ -67,6 +74,11 @@ class HelperProcess:
         self._listeners_lock = threading.Lock()
         self._failure: str | None = None
         self._alive = True
+        self._retired = False  # a preloaded library made it unsafe: no new launches here
+        self._offered: set[str] = set()  # libraries asked for, each once
+        self.preloaded: dict[str, Any] = {}  # the helper's last "preloaded" report
+        self._preload_seen = threading.Condition()
+        self.preload_wanted = True  # the last launch's preload_libraries
         self._answered = threading.Event()  # "ready", "failed" or gone
         self._reader = threading.Thread(target=self._read_loop, name="nbaccel-helper", daemon=True)
         self._reader.start()
@@ -79,6 +91,21 @@ class HelperProcess:
     def alive(self) -> bool:
         return self._alive
 
+    @property
+    def usable(self) -> bool:
+        """Alive, and not retired by a library that made it unsafe to fork from."""
+        return self._alive and not self._retired
+
+    def preload(self, names: list[str]) -> None:
+        """Ask the helper to import these libraries once idle (each asked for once)."""
+        fresh = [name for name in names if name not in self._offered]
+        if fresh and self._alive:
+            self._offered.update(fresh)
+            try:
+                self._send({"op": "preload", "modules": fresh})
+            except HelperError:
+                pass  # gone: the next launch starts a new helper, and offers again
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the helper has preloaded torch (or failed, or exited); True if ready."""
         return self._answered.wait(timeout) and self._alive and self._failure is None
@@ -90,6 +117,24 @@ class HelperProcess:
     def unsubscribe(self, run_id: str) -> None:
         with self._listeners_lock:
             self._listeners.pop(run_id, None)
+            done = self._retired and not self._listeners
+        if done:  # its last run ended: a retired helper goes
+            threading.Thread(target=self.close, name="nbaccel-helper-close", daemon=True).start()
+
+    def wait_preloaded(self, timeout: float) -> bool:
+        """Wait until the helper has dealt with every library offered so far (imported or
+        refused), at most ``timeout`` s; False if it did not, or is retired or gone."""
+        with self._preload_seen:
+            done = self._preload_seen.wait_for(
+                lambda: not self.usable or self.preloaded.get("asked", -1) >= len(self._offered),
+                timeout,
+            )
+        return done and self.usable
+
+    def offer_modules(self, modules: list[tuple[str, str | None]]) -> None:
+        """What a launch's worker imported (name, file): the libraries among them are
+        preloaded for the next launch (the ``WorkerStarter`` call the pump makes)."""
+        self.preload(CHOICE.choose_files(modules))
 
     def spawn(self, request: dict[str, Any], fds: list[int]) -> None:
         """Ask for one worker; its exit code (or a spawn failure) goes to the run's listener."""
@@ -138,6 +183,14 @@ class HelperProcess:
             if op == "ready":
                 self._answered.set()
                 continue  # requests were queued on the socket meanwhile: nothing to wait for
+            if op == "preloaded":
+                with self._preload_seen:
+                    self.preloaded = message
+                    self._preload_seen.notify_all()
+                continue
+            if op == "preload_refused":
+                self._refused(message)
+                continue
             if op == "failed":
                 self._failure = (
                     "the nbaccel helper process could not preload torch and nbaccel's worker "
@@ -157,6 +210,8 @@ class HelperProcess:
                     listener(message)
         self._alive = False
         self._answered.set()
+        with self._preload_seen:
+            self._preload_seen.notify_all()
         code = self._process.wait()
         if self._failure is None:
             self._failure = f"the nbaccel helper process exited (code {code})"
@@ -164,6 +219,43 @@ class HelperProcess:
             listeners = list(self._listeners.values())
         for listener in listeners:
             listener({"op": "helper_died", "error": self._failure})
+
+    def _refused(self, message: dict[str, Any]) -> None:
+        CHOICE.refuse(message["module"])
+        unsafe = bool(message.get("unsafe"))
+        NOTICES.append(
+            f"not preloaded: {message['module']} ({message['why']}); workers import it "
+            + ("themselves, and a fresh helper was started" if unsafe else "themselves")
+        )
+        if unsafe:
+            with self._preload_seen:
+                self._retired = True
+                self._preload_seen.notify_all()
+            with self._listeners_lock:
+                idle = not self._listeners
+            if idle:
+                threading.Thread(
+                    target=self.close, name="nbaccel-helper-close", daemon=True
+                ).start()
+
+
+# Which of this process's modules may be preloaded (judged once each), and what the helper
+# refused, for the text output of the next launch. Caches of this process, like the helper.
+CHOICE = PreloadChoice()
+NOTICES: list[str] = []
+
+
+def offer_libraries(helper: HelperProcess, modules: Mapping[str, Any] | None = None) -> None:
+    """Offer the helper the installed libraries this process imported (``sys.modules``)."""
+    if helper.preload_wanted:
+        helper.preload(CHOICE.choose(sys.modules if modules is None else modules))
+
+
+def take_notices() -> list[str]:
+    """What the helper refused since the last call (each told once)."""
+    told = list(NOTICES)
+    del NOTICES[: len(told)]
+    return told
 
 
 # Starting the helper is one Popen (milliseconds; its torch import then runs on its own):
@@ -191,11 +283,17 @@ def shared_helper(timeout: float = HELPER_START_TIMEOUT_S) -> HelperProcess:
             "start at import."
         )
     try:
-        if _shared is None or not _shared.alive:
+        if _shared is None or not _shared.usable:
             _shared = HelperProcess(os.environ)
         return _shared
     finally:
         _shared_lock.release()
+
+
+def current_helper() -> HelperProcess | None:
+    """The shared helper if one is started and usable; never starts one."""
+    helper = _shared
+    return helper if helper is not None and helper.usable else None
 
 
 def shutdown_shared_helper() -> None:

@@ -14,7 +14,10 @@ killing every worker, when the parent closes the socket or dies.
 Before "ready" it imports only what a worker needs to start (PRELOAD); the rest (WARM_LATER:
 the Accelerator, torch._dynamo) is imported once it is idle, in the background of its own
 loop: a timer signal serves requests in the middle of those imports (handing them to spares
-forked before, never forking mid-import), so a launch never waits for them.
+forked before, never forking mid-import), so a launch never waits for them. The same way,
+when idle, it imports the installed libraries the kernel asks it to preload (``preload``:
+what the kernel and the last launch's workers imported), checking after each that it can
+still fork (``preload.import_checked``), then replaces its spares with ones that have them.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from nbaccel.launcher.local.child_processes import (
     xla_machine,
 )
 from nbaccel.launcher.local.orphans import Orphans
+from nbaccel.launcher.local.preload import Preloader
 
 # What a worker needs to start: before "ready", so nothing else delays a first launch that
 # comes right away (measured with -X importtime: torch; torch.distributed, cloudpickle,
@@ -93,6 +97,8 @@ class Helper:
         self.in_tick = False
         self.last_activity = 0.0  # time.monotonic() of the last request read or worker exit
         self.orphans = Orphans(signal_group)  # what exited workers left behind
+        # The libraries the kernel asked to preload, and whether forking is still safe.
+        self.preloader = Preloader()
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -107,14 +113,14 @@ class Helper:
 
     def _serve(self) -> None:
         while os.getppid() == self.parent_pid:
-            while self.deferred:
-                self.handle(*self.deferred.pop(0))
+            self._serve_deferred()
             # Make spares only when idle, one per turn, so requests are never kept waiting.
-            idle = len(self.spares) >= self.wanted_spares
+            idle = len(self.spares) >= self.wanted_spares or self.preloader.unsafe is not None
             # Warm up with no worker alive (it would take their CPU), after a quiet moment:
             # launches in a loop come back to back and would use up the spares mid-import.
             quiet_for = time.monotonic() - self.last_activity
-            warm_soon = idle and not self.warmed and not self.workers
+            to_import = not self.warmed or self.preloader.wanted
+            warm_soon = idle and to_import and not self.workers
             warm_now = warm_soon and quiet_for >= WARM_UP_AFTER_QUIET_SECONDS
             timeout = PARENT_POLL_SECONDS if idle and not warm_now else 0.0
             if warm_soon and not warm_now:
@@ -142,10 +148,12 @@ class Helper:
                 self.handle(message, fds)
 
     def warm_up(self) -> None:
-        """Import WARM_LATER (and torch_xla where launches use it) while still serving
-        requests, then retire the spares forked without them."""
+        """Import WARM_LATER once (and torch_xla where launches use it), then the libraries
+        asked for, while still serving requests; then retire the spares forked without them."""
+        loaded = len(sys.modules)
+        first = () if self.warmed else WARM_LATER + (("torch_xla",) if xla_machine() else ())
         self.warmed = True
-        for module in WARM_LATER + (("torch_xla",) if xla_machine() else ()):
+        for module in first:
             env = dict(os.environ)
             with self.serving_meanwhile(), frozen_imports():
                 try:
@@ -157,13 +165,26 @@ class Helper:
             os.environ.clear()
             os.environ.update(env)
             # Between two imports no module is half-run: forking is safe again.
-            while self.deferred:
-                self.handle(*self.deferred.pop(0))
+            self._serve_deferred()
             while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
                 pass
-        for _, channel in self.spares:
-            channel.close()  # the spare reads EOF and exits; reap() collects it
-        self.spares.clear()
+        if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
+            with self.serving_meanwhile(), frozen_imports():
+                self.preloader.run(self.reply, between=self._serve_deferred)
+        if self.preloader.unsafe is not None:
+            return  # forking is over: the spares forked before the import are all there is
+        if len(sys.modules) != loaded:  # the spares lack what was imported: new ones
+            for _, channel in self.spares:
+                channel.close()  # the spare reads EOF and exits; reap() collects it
+            self.spares.clear()
+        # Told only now: a launch that follows the report gets a spare with every import
+        # (while the imports were being served mid-way, it would have got an old spare).
+        self.reply(self.preloader.report)
+
+    def _serve_deferred(self) -> None:
+        """Requests read mid-import, served between two imports (forking is safe there)."""
+        while self.deferred:
+            self.handle(*self.deferred.pop(0))
 
     def serving_meanwhile(self) -> contextlib.AbstractContextManager[None]:
         """``serve_mid_import`` runs as soon as the kernel writes to the control socket and
@@ -224,6 +245,8 @@ class Helper:
     def handle(self, message: dict[str, Any], fds: list[int]) -> None:
         if message["op"] == "spawn":
             self.spawn(message, fds)
+        elif message["op"] == "preload":
+            self.preloader.ask(message["modules"])
         elif message["op"] == "signal":
             ranks = message.get("ranks")
             for pid, (run_id, rank) in list(self.workers.items()):
@@ -239,6 +262,13 @@ class Helper:
             return  # its fds stay open with it
         for fd in fds:
             os.close(fd)
+        if pid is None and self.preloader.unsafe is not None:
+            error = (
+                f"the nbaccel helper stopped forking workers after {self.preloader.unsafe}; launch "
+                "again: the next launch starts a fresh helper that does not preload it"
+            )
+            self.reply({**_ids(message), "op": "spawn_failed", "error": error})
+            return
         if pid is None:
             error = "fork failed: the helper could not start a worker (out of memory or pids?)"
             self.reply({**_ids(message), "op": "spawn_failed", "error": error})
@@ -266,6 +296,8 @@ class Helper:
 
     def fork_spare(self, fds_to_close: list[int] | tuple[int, ...] = ()) -> int | None:
         """Fork an idle child that waits for one spawn request, then becomes that worker."""
+        if self.preloader.unsafe is not None:
+            return None  # a preloaded library made forking unsafe: no more children
         ours, theirs = control.socket_pair()
         helper_pid = os.getpid()
         try:

@@ -18,7 +18,7 @@ from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.devices import loopback_interface, usable_cpu_cores
 from nbaccel.errors import ConfigError
-from nbaccel.launcher.local.helper import shared_helper
+from nbaccel.launcher.local.helper import offer_libraries, shared_helper, take_notices
 from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, write_config
@@ -38,8 +38,11 @@ def start_planned(planned: Planned, *, show: Display) -> Run:
         raise
     with tempfile.TemporaryFile() as payload_file, listener:
         helper = shared_helper()  # started on first use; it imports torch while we go on
+        helper.preload_wanted = resolved.config.preload_libraries
+        offer_libraries(helper)  # for the next launch: the helper is busy with this one
         write_config(run_dir, resolved)
         run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
+        run.notices = take_notices()
         show(run, gpus)
         payload_file.write(planned.payload)
         payload_file.flush()

@@ -133,6 +133,10 @@ class RemoteHosts:
         for index in range(len(self._links)):
             self._send(index, {"op": "signal", "signal": int(signum), "ranks": ranks})
 
+    def offer_modules(self, modules: list[tuple[str, str | None]]) -> None:
+        """Agents start their workers through torch elastic, without a helper: nothing to
+        preload."""
+
     def host_of(self, rank: int) -> str | None:
         return None if self.local else self.host_of_rank.get(rank)
 

@@ -1,0 +1,234 @@
+"""The helper preloads the installed libraries the kernel imported, checked, for the next
+launch; the user's own modules stay fresh (each test drives its own ``python -``, so it has
+its own helper)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.multiprocess.conftest import run_script
+
+# The driver's "installed libraries": a folder of stand-ins that counts as site-packages
+# (PreloadChoice's roots) and is on the helper's path (PYTHONPATH, which it inherits).
+STAND_INS = {
+    "thready.py": (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    ),
+    "cudaish.py": "import torch\ntorch.cuda.is_initialized = lambda: True  # says it did\n",
+    "handlery.py": "import signal\nsignal.signal(signal.SIGUSR2, lambda *a: None)\n",
+    "quiet_lib.py": "VALUE = 'from the helper'\n",
+}
+
+DRIVER_HEAD = """
+import json, os, sys, time
+sys.path.insert(0, {site!r})
+os.environ["PYTHONPATH"] = {site!r}  # the helper, started below, inherits it
+import nbaccel
+from nbaccel.launcher.local import helper as helper_module
+from nbaccel.launcher.local.preload_choice import PreloadChoice
+
+helper_module.CHOICE = PreloadChoice(roots=[{site!r}])
+
+def launch(fn, *args):
+    return nbaccel.notebook_launcher(fn, args=args, num_processes=2, dashboard=False,
+                                     runs_dir={runs!r})
+
+def already(name):
+    import sys
+    return name in sys.modules
+
+def preloaded(timeout=60):
+    # The helper once it has dealt with every library offered so far (or was retired).
+    helper = helper_module.shared_helper()
+    if not helper.wait_preloaded(timeout) and helper.usable:
+        raise TimeoutError("the helper never reported its preload")
+    return helper
+"""
+
+
+def drive(tmp_path: Path, body: str, timeout: float = 240) -> tuple[dict[str, object], str]:
+    site = tmp_path / "site-packages"
+    site.mkdir(exist_ok=True)
+    for name, code in STAND_INS.items():
+        (site / name).write_text(code)
+    head = DRIVER_HEAD.format(site=str(site), runs=str(tmp_path / "runs"))
+    done = run_script(head + body, tmp_path, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    return json.loads(last), done.stdout
+
+
+def test_a_library_the_kernel_imported_is_in_the_next_launchs_workers(tmp_path: Path) -> None:
+    result, _ = drive(
+        tmp_path,
+        """
+import quiet_lib
+first = launch(already, "quiet_lib")
+preloaded()
+second = launch(already, "quiet_lib")
+print(json.dumps({"first": first, "second": second}))
+""",
+    )
+    # The first launch's workers had to import it (the helper was busy with the launch);
+    # the second launch's were forked from a helper that had it.
+    assert result == {"first": False, "second": True}
+
+
+def test_a_library_imported_later_is_preloaded_for_the_launch_after_next(tmp_path: Path) -> None:
+    result, _ = drive(
+        tmp_path,
+        """
+before = launch(already, "quiet_lib")   # the helper exists, quiet_lib is not imported
+import quiet_lib                         # now the kernel has it
+offered = launch(already, "quiet_lib")   # this launch offers it to the helper
+preloaded()
+after = launch(already, "quiet_lib")
+print(json.dumps({"before": before, "offered": offered, "after": after}))
+""",
+    )
+    assert result == {"before": False, "offered": False, "after": True}
+
+
+def test_what_the_last_launchs_workers_imported_is_preloaded_too(tmp_path: Path) -> None:
+    result, _ = drive(
+        tmp_path,
+        """
+def uses_it():
+    import quiet_lib
+    return quiet_lib.VALUE
+
+launch(uses_it)      # the kernel never imports quiet_lib; rank 0 reports that it did
+preloaded()
+print(json.dumps({"next": launch(already, "quiet_lib"), "kernel": "quiet_lib" in sys.modules}))
+""",
+    )
+    assert result == {"next": True, "kernel": False}
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "why"),
+    [("thready", "it started a thread at import"), ("cudaish", "it initialised CUDA at import")],
+)
+def test_a_library_unsafe_to_fork_with_is_refused_named_and_the_helper_replaced(
+    tmp_path: Path, stand_in: str, why: str
+) -> None:
+    result, out = drive(
+        tmp_path,
+        f"""
+import {stand_in}
+launch(already, "x")                      # offers {stand_in}; the helper refuses it
+old = preloaded()
+replaced = not old.usable
+second = launch(already, "{stand_in}")    # a fresh helper, which never imports it
+new = helper_module.shared_helper()
+third = launch(already, "{stand_in}")     # never offered again: CHOICE refuses it
+print(json.dumps({{"replaced": replaced, "pids": [old.pid, new.pid], "old_alive": old.alive,
+                  "second": second, "third": third}}))
+""",
+    )
+    assert result["replaced"] is True
+    old_pid, new_pid = result["pids"]  # type: ignore[misc]
+    assert old_pid != new_pid
+    assert result["old_alive"] is False  # the retired helper was closed, not left behind
+    assert result["second"] is False and result["third"] is False
+    # The launch after the refusal says so in its text output, once.
+    assert out.count(f"nbaccel: not preloaded: {stand_in} ({why})") == 1
+
+
+def test_a_library_that_installs_a_signal_handler_is_refused_and_the_helper_kept(
+    tmp_path: Path,
+) -> None:
+    result, out = drive(
+        tmp_path,
+        """
+import handlery
+launch(already, "x")
+old = preloaded()
+print(json.dumps({"usable": old.usable, "next": launch(already, "handlery"),
+                  "same": helper_module.shared_helper().pid == old.pid}))
+""",
+    )
+    assert result == {"usable": True, "next": False, "same": True}
+    assert "nbaccel: not preloaded: handlery (it installed a signal handler at import)" in out
+
+
+def test_a_module_beside_the_notebook_is_never_preloaded_and_an_edit_shows(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "mymodel.py").write_text("VALUE = 1\n")
+    result, _ = drive(
+        tmp_path,
+        """
+import mymodel, quiet_lib
+
+def value():
+    import sys
+    had = "mymodel" in sys.modules
+    import mymodel
+    return had, mymodel.VALUE
+
+first = launch(value)
+preloaded()
+open("mymodel.py", "w").write("VALUE = 2\\n")
+second = launch(value)
+chosen = helper_module.CHOICE.choose(sys.modules)
+print(json.dumps({"first": first, "second": second, "offered": "mymodel" in chosen,
+                  "quiet_lib": "quiet_lib" in chosen}))
+""",
+    )
+    assert result == {
+        "first": [False, 1],
+        "second": [False, 2],
+        "offered": False,
+        "quiet_lib": True,
+    }
+
+
+def test_spares_are_replaced_when_the_preload_set_grows_and_twenty_relaunches_leak_nothing(
+    tmp_path: Path,
+) -> None:
+    result, _ = drive(
+        tmp_path,
+        """
+import psutil, threading
+
+def spares(other_than=frozenset(), timeout=30):
+    # The helper's idle children once it has forked some (one per idle turn; bounded).
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {p.pid for p in psutil.Process(helper.pid).children()} - set(other_than)
+        if found:
+            return found
+        time.sleep(0.02)
+    return set()
+
+launch(already, "x")
+helper = preloaded()            # the first warm-up (the Accelerator's imports) is over
+spares_before = spares()
+import quiet_lib                # the preload set grows
+launch(already, "x")
+preloaded()
+spares_after = spares(other_than=spares_before)
+me = psutil.Process()
+fds, threads = me.num_fds(), threading.active_count()
+values = [launch(already, "quiet_lib") for _ in range(20)]
+children = psutil.Process(helper.pid).children(recursive=True)
+print(json.dumps({
+    "replaced": bool(spares_before) and bool(spares_after)
+                and not spares_before & {p.pid for p in psutil.Process(helper.pid).children()},
+    "all_preloaded": all(values), "fds": me.num_fds() - fds,
+    "threads": threading.active_count() - threads, "same_helper": helper.usable,
+    "only_spares": all(c.ppid() == helper.pid for c in children), "children": len(children),
+}))
+""",
+        timeout=400,
+    )
+    assert result["replaced"] is True
+    assert result["all_preloaded"] is True
+    assert result["fds"] == 0 and result["threads"] == 0
+    assert result["same_helper"] is True
+    assert result["only_spares"] is True and result["children"] <= 16  # type: ignore[operator]
