@@ -20,6 +20,7 @@ from nbaccel.events import (
     LogLine,
     Metric,
     ModelPrepared,
+    Notice,
     RankExited,
     RunEnded,
     RunRestarted,
@@ -185,6 +186,9 @@ class DashboardModel:
             if event.exitcode != 0 and not self.errors and self.state is RunState.RUNNING:
                 # Provisional: the run's own error (with the traceback) replaces it at the end.
                 self._set_error(ErrorReport(event.rank, exit_text(event.rank, event.exitcode), ""))
+        elif isinstance(event, Notice):  # in the first rank's log, as the text output has it
+            first = self._ranks[0] if self._ranks else 0
+            self._tail(first).add(f"nbaccel: {event.text}", False, False)
         elif isinstance(event, RunRestarted):
             self.attempt = f"attempt {event.attempt + 1} of {event.max_restarts + 1}"
         elif isinstance(event, RunEnded):

@@ -27,3 +27,12 @@ def test_the_header_says_which_attempt_runs_after_a_restart() -> None:
     parts = header_text(model.header(now=2.0)).split(" · ")
     assert parts[2] == "attempt 2 of 3"
     assert model.pids == {1: 202}  # the memory sampler follows the new worker
+
+
+def test_a_launcher_notice_shows_in_the_first_ranks_log() -> None:
+    from nbaccel.events import Notice
+    from nbaccel.ui.dashboard.model import DashboardModel
+
+    model = DashboardModel(2)
+    model.handle(Notice("not preloaded: thready (it started a thread at import)", 0.0))
+    assert "nbaccel: not preloaded: thready" in "\n".join(model.tail(0))
