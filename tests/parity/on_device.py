@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,7 +93,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--programs", nargs="+")
-    parser.add_argument("--timeout", type=float, default=300, help="Accelerate's side, seconds")
+    parser.add_argument(
+        "--budget", type=float, default=300, help="seconds for both sides; Accelerate's gets half"
+    )
     args = parser.parse_args(argv)
     gpus = visible_gpu_count(os.environ)
     if args.device == "cuda" and gpus == 0:
@@ -103,26 +106,48 @@ def main(argv: list[str]) -> int:
         names = tuple(n for n in names if n not in runner.CUDA_PROGRAMS)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    driver = runner.launch_under_accelerate(
-        names, args.out_dir, num_processes=processes, device=args.device, timeout=args.timeout
-    )
-    print(driver.stdout[-2000:] + driver.stderr[-2000:], flush=True)
+    try:
+        driver = runner.launch_under_accelerate(
+            names,
+            args.out_dir,
+            num_processes=processes,
+            device=args.device,
+            timeout=args.budget / 2,
+        )
+        print(driver.stdout[-2000:] + driver.stderr[-2000:], flush=True)
+    except subprocess.TimeoutExpired:
+        print(f"Accelerate's side did not finish within {args.budget / 2:.0f} s", flush=True)
     accelerate_seconds = time.monotonic() - started
+    write(args.out_dir, [compare(args.out_dir, name) for name in names], args.device, processes)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # nbaccel's launch: the same device as above
+    # A program that makes no progress for this long is stopped as hung (runner's rule).
+    hung = max(20.0, args.budget - (time.monotonic() - started)) / 2
     facts = runner.launch_under_nbaccel(
-        names, args.out_dir, str(args.out_dir / "runs"), num_processes=processes
+        names,
+        args.out_dir,
+        str(args.out_dir / "runs"),
+        num_processes=processes,
+        seconds_per_program=hung,
     )
     rows = [compare(args.out_dir, name) for name in names]
-    lines = table(rows, args.device, processes)
-    lines.append(
-        f"\nAccelerate's side {accelerate_seconds:.0f} s, nbaccel's {facts['seconds']:.0f} s "
+    note = (
+        f"Accelerate's side {accelerate_seconds:.0f} s, nbaccel's {facts['seconds']:.0f} s "
         f"({facts['launches']} launch(es))."
     )
-    (args.out_dir / "parity.md").write_text("\n".join(lines) + "\n")
-    (args.out_dir / "parity.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(lines), flush=True)
+    print("\n".join(write(args.out_dir, rows, args.device, processes, note)), flush=True)
     return 0 if all(row["agree"] for row in rows) else 1
+
+
+def write(
+    out_dir: Path, rows: list[dict[str, Any]], device: str, processes: int, note: str = ""
+) -> list[str]:
+    """``parity.md`` and ``parity.json`` (written after each side: a run stopped midway
+    still leaves what it had)."""
+    lines = table(rows, device, processes) + ([f"\n{note}"] if note else [])
+    (out_dir / "parity.md").write_text("\n".join(lines) + "\n")
+    (out_dir / "parity.json").write_text(json.dumps(rows, indent=1))
+    return lines
 
 
 if __name__ == "__main__":
