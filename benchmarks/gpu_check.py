@@ -165,7 +165,7 @@ def plan(args: argparse.Namespace, work: Path) -> list[Part]:
         install += [f"--platform=manylinux{tag}_x86_64" for tag in ("_2_28", "_2_17", "2014")]
     step_rate = [python, "benchmarks/gpu_step_rate.py", "--json", str(work / "step-rate.json")]
     tiny = ["--device", "cpu", "--size", "tiny", "--quick"]
-    step_rate += tiny if args.dry_run else ["--rounds", "8"]
+    step_rate += tiny if args.dry_run else ["--rounds", "8", "--block", "4"]
     parity = [python, "-m", "tests.parity.on_device", str(work / "parity")]
     parity += ["--budget", str(limits["parity"] - 10)]
     parity += ["--device", "cpu", "--programs", "gradient_accumulation"] if args.dry_run else []
