@@ -336,10 +336,17 @@ class CudaMarks:
 
         If the allocator's peak rose since the phase began, it rose in this phase: that peak
         is the phase's. Otherwise the phase's own peak is unknown but no higher than an
-        earlier phase's; the bytes held as it began or ends are its lower bound.
+        earlier phase's; the bytes held as it began or ends are its lower bound. A peak
+        lower than before means the user reset the counter during this phase: what it
+        reached since is this phase's too.
         """
         peak, held = self._allocated()
-        phase = peak if peak > self._peak else max(held, self._held)
+        if peak > self._peak:
+            phase = peak
+        elif peak < self._peak:
+            phase = max(peak, self._held)
+        else:
+            phase = max(held, self._held)
         self._peak, self._held = peak, held
         return phase
 

@@ -154,6 +154,35 @@ def test_a_peak_before_the_loop_is_not_credited_to_the_first_phase() -> None:
     assert cuda.max_memory_allocated() == 10 * GIB  # the user's counter: untouched
 
 
+def test_a_user_resetting_the_counter_mid_run_still_gets_rises_credited() -> None:
+    cuda = FakeCuda()
+    sent: list[dict[str, Any]] = []
+    timer = StepTimer(
+        enabled=True, send=sent.append, device=torch.device("cuda", 0), interval=0.0, cuda=cuda
+    )
+    loader = object()
+    for forward, backward, evaluation in ((4 * GIB, 0, 3 * GIB), (0, 5 * GIB, 0)):
+        timer.begin_data(loader)
+        timer.end_data(torch.zeros(4, 3))
+        cuda.allocate(forward)
+        cuda.free(forward)
+        previous = timer.enter(BACKWARD)
+        cuda.allocate(backward)
+        cuda.free(backward)
+        timer.leave(previous)
+        # The user's own code ("other"): torch.cuda.reset_peak_memory_stats(), then an
+        # evaluation that needs 3 GiB: below the 4 GiB the timer saw, yet this phase's.
+        cuda.peak = cuda.current
+        cuda.allocate(evaluation)
+        cuda.free(evaluation)
+    timer.loop_ended(loader)
+    peaks = sent[-1]["peak_memory"]
+    assert peaks["forward"] == 4 * GIB
+    assert peaks["other"] == 3 * GIB  # read as "not a rise", it would be lost (0)
+    assert peaks[BACKWARD] == 5 * GIB  # the next rise, credited where it happened
+    assert "reset_peak_memory_stats" not in cuda.calls
+
+
 @pytest.mark.cuda
 def test_on_a_gpu_the_users_peak_survives_the_breakdown() -> None:
     device = torch.device("cuda", 0)
