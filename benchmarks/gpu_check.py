@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = {"install": 25, "env": 15, "step-rate": 70, "parity": 110, "cuda-tests": 250}
+LIMITS = {"install": 20, "env": 15, "step-rate": 65, "parity": 120, "cuda-tests": 250}
 DRY_LIMITS = {"install": 30, "env": 30, "step-rate": 120, "parity": 120, "cuda-tests": 120}
 PARITY_CUDA_TEST = (
     "tests/multiprocess/test_accelerate_parity.py::"
@@ -67,10 +67,11 @@ for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     info[f"gpu {i}"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}"
 for module, dist in (("accelerate", "accelerate"), ("transformers", "transformers"),
-                     ("deepspeed", "deepspeed"), ("tensorboardX", "tensorboardX"),
+                     (None, "deepspeed"), ("tensorboardX", "tensorboardX"),
                      ("pynvml", "nvidia-ml-py")):
-    try:
-        __import__(module)
+    try:  # DeepSpeed is not imported here (seconds): the cuda tests import it
+        if module is not None:
+            __import__(module)
         info[dist] = importlib.metadata.version(dist)
     except Exception as error:
         info[dist] = f"not importable: {type(error).__name__}: {error}"[:160]

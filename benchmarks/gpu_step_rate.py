@@ -126,6 +126,7 @@ def make_variant(name: str, device: str, steps: int, size: str) -> tuple[Step, A
                     if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
                         outputs[key] = value.float()
             loss: torch.Tensor = outputs["loss"]
+            del outputs  # as `model(...).loss` drops them: not held through backward
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
