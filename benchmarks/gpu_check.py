@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args.limit = {k: float(v) for k, v in (item.split("=", 1) for item in args.limit)}
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="gpu-check-", ignore_cleanup_errors=True) as scratch:
         work = Path(scratch)  # the parts' many files; only logs and the report go to out
         if args.dry_run:  # the wheels are for Python 3.12: installed aside, not used here
             args.site = work / "site-py3.12"
