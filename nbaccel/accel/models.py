@@ -200,8 +200,11 @@ def to_fp32(outputs: Any) -> Any:
             return outputs
         if type(outputs) is dict:
             return {**outputs, **changed}
-        for key, value in changed.items():
-            outputs[key] = value  # ModelOutput's __setitem__ sets the attribute too
+        try:
+            for key, value in changed.items():
+                outputs[key] = value  # ModelOutput's __setitem__ sets the attribute too
+        except (TypeError, AttributeError, NotImplementedError):  # a read-only mapping
+            return type(outputs)({**outputs, **changed})  # as Accelerate rebuilds it
         return outputs
     if isinstance(outputs, list | tuple):
         items = [to_fp32(value) for value in outputs]

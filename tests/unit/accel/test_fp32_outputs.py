@@ -77,6 +77,19 @@ def test_nested_outputs_match_accelerate_and_plain_dicts_are_not_changed() -> No
     assert to_fp32(untouched) is untouched  # nothing half: nothing rebuilt
 
 
+class ReadOnlyDict(dict):  # type: ignore[type-arg]
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError("read-only")
+
+
+def test_a_read_only_mapping_is_rebuilt_instead() -> None:
+    given = ReadOnlyDict(logits=torch.ones(2, dtype=torch.bfloat16), n=torch.arange(2))
+    out = to_fp32(given)
+    assert type(out) is ReadOnlyDict and out is not given
+    assert out["logits"].dtype == torch.float32 and given["logits"].dtype == torch.bfloat16
+    assert out["n"] is given["n"]
+
+
 def test_prepared_gpt2_trains_to_accelerates_numbers() -> None:
     """Three bf16 AdamW steps of a tiny GPT-2: nbaccel's losses and weights equal
     Accelerate's (in this process, one after the other, from the same weights)."""
