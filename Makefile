@@ -13,7 +13,7 @@ NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 
 .PHONY: demo test test-newest newest-venv lint unit multiprocess multihost notebook browser xla \
-	install-check dashboard-image bench clean bytecode
+	install-check dashboard-image bench clean bytecode gpu-wheels test-gpu test-gpu-dry
 
 # Everything from the lock (requirements/ci.txt, pip-compile'd from pyproject.toml and
 # requirements/ci.in: see the README), then nbaccel itself with nothing more resolved.
@@ -137,6 +137,23 @@ bench: $(STAMP)
 	$(PY) benchmarks/sharding_memory.py
 	$(PY) benchmarks/multi_host_launch.py
 	$(PY) benchmarks/slurm_launch.py
+
+# The GPU check (docs/gpu-check.md). `make gpu-wheels` runs here: it fills .gpu-wheels/ with
+# what the GPU machine lacks (Python 3.12 wheels; DeepSpeed built here). `make test-gpu` runs
+# there, with the machine's own python3 (torch, Accelerate, transformers, pytest installed):
+# the cuda tests, the parity programs on the GPU and the step-rate benchmark, each under its
+# own time limit, 8 minutes in all, into one report ($$OUT/gpu-report.md, else gpu-check/).
+# `make test-gpu-dry` runs the same plumbing here on the CPU (about a minute).
+GPU_WHEELS ?= .gpu-wheels
+
+gpu-wheels: $(STAMP)
+	PY=$(PY) benchmarks/gpu_wheels.sh $(GPU_WHEELS)
+
+test-gpu:
+	python3 benchmarks/gpu_check.py --wheels $(GPU_WHEELS)
+
+test-gpu-dry: $(STAMP) bytecode
+	$(PY) benchmarks/gpu_check.py --dry-run --wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(XLA_VENV) $(NEWEST_VENV) nbaccel_runs .pytest_cache .mypy_cache .ruff_cache

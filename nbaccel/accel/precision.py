@@ -63,6 +63,14 @@ class Precision:
         else:
             self.scaler = torch.amp.GradScaler(device.type, **scaler_kwargs)
 
+    def forward_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """What a prepared model's forward runs under: ``autocast()`` with no override,
+        as one ``torch.autocast`` object (no generator around it: it runs every step)."""
+        options = dict(self.autocast_kwargs)
+        if self.dtype is None or not options.pop("enabled", True):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype, **options)
+
     @contextlib.contextmanager
     def autocast(self, enabled: bool = True, **handler: Any) -> Iterator[None]:
         """Run the block under autocast for this precision (a no-op for ``"no"``).

@@ -107,14 +107,18 @@ def _warm_up() -> None:
 
 def watch_cells() -> bool:
     """Offer the helper the kernel's libraries after each cell (IPython's ``post_run_cell``);
-    whether there was a kernel's shell to watch. Registered once per shell."""
+    whether there was a kernel's shell to watch. Registered once per shell; a shell without
+    IPython's event hooks is left alone (the launch offers them all the same)."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
-    if shell is None:
+    events = getattr(shell, "events", None)
+    if events is None:
         return False
-    callbacks = shell.events.callbacks.get("post_run_cell", [])
-    if _after_cell not in callbacks:
-        shell.events.register("post_run_cell", _after_cell)
+    try:
+        if _after_cell not in events.callbacks.get("post_run_cell", []):
+            events.register("post_run_cell", _after_cell)
+    except Exception:  # noqa: BLE001 - an optimisation must never break import nbaccel
+        return False
     return True
 
 

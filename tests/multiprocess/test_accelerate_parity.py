@@ -179,7 +179,7 @@ def test_the_cuda_program_gives_accelerates_numbers_under_nbaccel(
     outcome = runner.read_outcome(tmp_path, "nbaccel", name)
     assert outcome.failure() is None, outcome.failure()
     # bf16 under ZeRO-2: the same engine with the same config on both sides
-    # (tests/unit/accel/test_deepspeed_like_accelerate.py), and get_state_dict gives the
+    # (tests/unit/accel/strategies/test_deepspeed_like_accelerate.py), and get_state_dict gives the
     # module's bf16 weights on both. Bit-identical on DeepSpeed's CPU accelerator (1 process);
     # 1e-4 leaves room for CUDA kernels that add atomically (embedding backward).
     found = differences(reference.result, outcome.result, (1e-4, 1e-6))

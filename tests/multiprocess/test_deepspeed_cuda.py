@@ -2,7 +2,8 @@
 save_state/load_state resumes, save_model writes one consolidated file.
 
 Runs only on a CUDA machine with deepspeed installed (the ``cuda`` marker and an
-importorskip); the config mapping is tested everywhere in tests/unit/config/test_deepspeed.py.
+importorskip); the config mapping is tested everywhere in
+tests/unit/config/deepspeed/test_deepspeed.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 These tests read the text a launch streams into the cell, so their launches ask for
 ``dashboard="text"`` (``OUT``); the widget dashboard has its own tests
-(tests/unit/ui/test_dashboard.py, the example notebooks, the browser test).
+(tests/unit/ui/dashboard/test_dashboard.py, the example notebooks, the browser test).
 
 One notebook is executed once per module (a kernel start and the helper's ``import torch``
 are the slow part); each test asserts on its own cells. Errors are allowed at execution so

@@ -30,7 +30,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nbaccel.accel.checkpoints.weight_files import save_state_file
-from nbaccel.accel.nested.collectives import tree_map
 from nbaccel.accel.precision import Precision
 from nbaccel.accel.state import ProcessState
 from nbaccel.accel.strategies import sharding
@@ -164,20 +163,57 @@ def _is_repeated_blocks(module: torch.nn.Module) -> bool:
 def _autocast_forward(forward: Callable[..., Any], precision: Precision) -> Callable[..., Any]:
     @functools.wraps(forward)
     def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
-        with precision.autocast():
+        with precision.forward_autocast():
             outputs = forward(*args, **kwargs)
         # Outputs leave in fp32 so the loss and metrics computed outside are full precision.
-        return _to_fp32(outputs)
+        return to_fp32(outputs)
 
     setattr(forward_in_autocast, _ORIGINAL_FORWARD, forward)
     return forward_in_autocast
 
 
-def _to_fp32(outputs: Any) -> Any:
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+_HALF = (torch.float16, torch.bfloat16)
 
-    return tree_map(cast, outputs, other=lambda leaf: leaf)  # non-tensor leaves unchanged
+
+def to_fp32(outputs: Any) -> Any:
+    """``outputs`` with every fp16/bf16 tensor in it as fp32, what Accelerate's
+    ``convert_outputs_to_fp32`` gives (the same values: the cast is exact).
+
+    Only what holds a half tensor is rebuilt; a dict subclass (transformers' ``ModelOutput``,
+    made by the forward that just ran) gets its half entries replaced in place: rebuilding
+    one runs its dataclass ``__post_init__``, about half of nbaccel's Python work per step
+    beyond a raw loop's for a small GPT-2 on the CPU (benchmarks/gpu_step_rate.py).
+
+    >>> out = to_fp32({"logits": torch.ones(1, dtype=torch.bfloat16), "ids": [torch.ones(1)]})
+    >>> out["logits"].dtype, out["ids"][0].dtype
+    (torch.float32, torch.float32)
+    """
+    if isinstance(outputs, torch.Tensor):
+        return outputs.float() if outputs.dtype in _HALF else outputs
+    if isinstance(outputs, dict):
+        changed = {}
+        for key, value in outputs.items():
+            converted = to_fp32(value)
+            if converted is not value:
+                changed[key] = converted
+        if not changed:
+            return outputs
+        if type(outputs) is dict:
+            return {**outputs, **changed}
+        try:
+            for key, value in changed.items():
+                outputs[key] = value  # ModelOutput's __setitem__ sets the attribute too
+        except (TypeError, AttributeError, NotImplementedError):  # a read-only mapping
+            return type(outputs)({**outputs, **changed})  # as Accelerate rebuilds it
+        return outputs
+    if isinstance(outputs, list | tuple):
+        items = [to_fp32(value) for value in outputs]
+        if all(new is old for new, old in zip(items, outputs, strict=True)):
+            return outputs
+        if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):  # a namedtuple
+            return type(outputs)(*items)
+        return type(outputs)(items)
+    return outputs  # other leaves (None, numbers, caches) unchanged
 
 
 def unwrap_model(

@@ -33,7 +33,12 @@ reduction. A user's communication hook is never touched.
 On CUDA the laps are ``torch.cuda.Event`` pairs on the current stream (the GPU's timeline,
 not the CPU's, which runs ahead); they are read a step or more later, once ``query()`` says
 the last one completed, so no step waits for the GPU. There each phase also gets its peak
-``torch.cuda.max_memory_allocated``, whose counter is reset at every phase change.
+memory without touching any counter the user reads: the allocator's peak
+(``torch.cuda.max_memory_allocated``) is never reset, so a script that prints it still reads
+its run's peak. Each rise of that peak is credited to the phase during which it rose; a phase
+that raised no peak gets the bytes held at its edges (a lower bound). The figures sent are the
+highest seen per phase since the timer started, so the phase shown with the highest figure is
+where the run's peak was reached.
 
 Steps are summed per window (every ``interval`` = 0.5 s, and when a pass ends) into one
 ``step_breakdown`` message to the launcher (``nbaccel.metrics.report_step_breakdown``).
@@ -80,7 +85,8 @@ class StepTimer:
     """The laps of this process's training steps, summed and sent per window.
 
     ``send`` gets each window as a dict (``report_step_breakdown``); ``clock`` is
-    ``time.perf_counter`` on CPU. ``device`` (a CUDA device) switches to CUDA events.
+    ``time.perf_counter`` on CPU. ``device`` (a CUDA device) switches to CUDA events;
+    ``cuda`` stands in for ``torch.cuda`` there (tests give a fake one).
     """
 
     def __init__(
@@ -92,13 +98,15 @@ class StepTimer:
         device: torch.device | None = None,
         interval: float = INTERVAL,
         clock: Callable[[], float] = time.perf_counter,
+        cuda: Any = None,
     ) -> None:
         self.enabled = enabled
         self.distributed = distributed  # whether backward waits for a gradient reduction
         self._send = send
         self._interval = interval
         self._clock = clock
-        self._events = CudaMarks(device) if device is not None and device.type == "cuda" else None
+        on_cuda = device is not None and device.type == "cuda"
+        self._events = CudaMarks(device, cuda) if on_cuda and device is not None else None
         self._phase: str | None = None  # None: no training loop is running
         self._since: Any = None
         # The step in progress: seconds per phase (CPU), or its laps (CUDA: read later).
@@ -218,8 +226,9 @@ class StepTimer:
                 seconds[ending] = seconds.get(ending, 0.0) + (now - self._since)
         else:
             now = marks.mark()
+            peak = marks.phase_peak()  # also where a loop's first phase starts counting
             if ending is not None:
-                self._laps.append((ending, self._since, now, marks.peak_and_reset()))
+                self._laps.append((ending, self._since, now, peak))
         self._phase, self._since = phase, now
         return now
 
@@ -259,7 +268,7 @@ class StepTimer:
         now = self._wall()
         if self._window.steps and (force or now - self._window_started >= self._interval):
             self._send(self._window.message())
-            self._window = _Window()
+            self._window = _Window(self._window.peaks)  # peaks are the run's so far
             self._window_started = now
         if marks is not None:
             marks.recycle(self._pending)
@@ -269,10 +278,10 @@ class _Window:
     """Steps held until the window is sent, then summed: a step closes in one append (its
     marks run with cold caches; the sum of a window's steps runs in one warm loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, peaks: dict[str, int] | None = None) -> None:
         self.steps = 0
         self._held: list[tuple[dict[str, float], int, int | None]] = []
-        self.peaks: dict[str, int] | None = None
+        self.peaks = dict(peaks) if peaks is not None else None
 
     def add_peak(self, phase: str, peak: int) -> None:
         self.peaks = self.peaks if self.peaks is not None else {}
@@ -297,29 +306,57 @@ class _Window:
             "phases": phases,
             "samples": samples,
             "tokens": total_tokens,
-            "peak_memory": self.peaks,
+            "peak_memory": dict(self.peaks) if self.peaks is not None else None,
         }
 
 
 class CudaMarks:
-    """CUDA events as lap marks, from a pool, read once complete; peak memory per phase."""
+    """CUDA events as lap marks, from a pool, read once complete; peak memory per phase.
 
-    def __init__(self, device: torch.device) -> None:
+    ``cuda`` is ``torch.cuda`` (or a stand-in with ``Event``, ``current_stream`` and
+    ``memory_stats_as_nested_dict``). The allocator's peak counter is only read, never reset:
+    it is the user's (``torch.cuda.max_memory_allocated``).
+    """
+
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self.device = device
+        self._cuda: Any = cuda if cuda is not None else torch.cuda
         self._free: list[Any] = []
         self._used: list[Any] = []  # read already: back to the pool at the next recycle
+        self._peak, self._held = self._allocated()  # as the phase in progress began
 
     def mark(self) -> Any:
-        new_event: Any = torch.cuda.Event
+        new_event: Any = self._cuda.Event
         event = self._free.pop() if self._free else new_event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._cuda.current_stream(self.device))
         return event
 
-    def peak_and_reset(self) -> int:
-        # Allocator statistics are kept on the CPU as allocations are made: no device sync.
-        peak = int(torch.cuda.max_memory_allocated(self.device))
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return peak
+    def phase_peak(self) -> int:
+        """The peak bytes of the phase that ends now, as far as the allocator tells.
+
+        If the allocator's peak rose since the phase began, it rose in this phase: that peak
+        is the phase's. Otherwise the phase's own peak is unknown but no higher than an
+        earlier phase's; the bytes held as it began or ends are its lower bound. A peak
+        lower than before means the user reset the counter during this phase: what it
+        reached since is this phase's too.
+        """
+        peak, held = self._allocated()
+        if peak > self._peak:
+            phase = peak
+        elif peak < self._peak:
+            phase = max(peak, self._held)
+        else:
+            phase = max(held, self._held)
+        self._peak, self._held = peak, held
+        return phase
+
+    def _allocated(self) -> tuple[int, int]:
+        # One call for both figures (max_memory_allocated and memory_allocated each flatten
+        # the allocator's whole statistics); kept on the CPU as allocations are made: no
+        # device sync. Empty before CUDA is initialised.
+        stats = self._cuda.memory_stats_as_nested_dict(self.device)
+        counts = stats.get("allocated_bytes", {}).get("all", {})
+        return int(counts.get("peak", 0)), int(counts.get("current", 0))
 
     @staticmethod
     def ready(event: Any) -> bool:
