@@ -232,3 +232,34 @@ print(json.dumps({
     assert result["fds"] == 0 and result["threads"] == 0
     assert result["same_helper"] is True
     assert result["only_spares"] is True and result["children"] <= 16  # type: ignore[operator]
+
+
+def test_a_helper_made_unsafe_starts_its_spares_from_a_fresh_interpreter(tmp_path: Path) -> None:
+    # A launch already on its way to a helper that a preloaded library made unsafe to fork
+    # still gets workers: spares exec'd from a clean interpreter (exec_spare.py), not forks.
+    result, _ = drive(
+        tmp_path,
+        """
+import socket, psutil
+from nbaccel.launcher import control
+from nbaccel.launcher.local.helper_main import Helper
+
+# What HelperProcess gives the helper: the package's folder on PYTHONPATH.
+root = os.path.dirname(os.path.dirname(nbaccel.__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ["PYTHONPATH"]])
+ours, theirs = control.socket_pair()
+helper = Helper(theirs, os.getpid())
+helper.preloader.unsafe = "preloading thready: it started a thread at import"
+pid = helper.fork_spare()
+spare = psutil.Process(pid)
+cmdline = spare.cmdline()
+alive = spare.is_running() and spare.status() != psutil.STATUS_ZOMBIE
+for _, channel in helper.spares:
+    channel.close()              # a retired spare: EOF on its socket, and it leaves
+code = spare.wait(120)
+print(json.dumps({"exec": "nbaccel.launcher.local.exec_spare" in cmdline, "alive": alive,
+                  "code": code}))
+""",
+    )
+    assert result["exec"] is True and result["alive"] is True
+    assert result["code"] == 0

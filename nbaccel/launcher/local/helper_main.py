@@ -297,7 +297,7 @@ class Helper:
     def fork_spare(self, fds_to_close: list[int] | tuple[int, ...] = ()) -> int | None:
         """Fork an idle child that waits for one spawn request, then becomes that worker."""
         if self.preloader.unsafe is not None:
-            return None  # a preloaded library made forking unsafe: no more children
+            return self.exec_spare()  # a preloaded library made forking unsafe
         ours, theirs = control.socket_pair()
         helper_pid = os.getpid()
         try:
@@ -324,6 +324,26 @@ class Helper:
             finally:
                 os._exit(0)
         theirs.close()
+        self.spares.append((pid, ours))
+        return pid
+
+    def exec_spare(self) -> int | None:
+        """A spare in a fresh interpreter (``exec_spare.py``): slower, never unsafe."""
+        ours, theirs = control.socket_pair()
+        os.set_inheritable(theirs.fileno(), True)
+        argv = [sys.executable, "-m", "nbaccel.launcher.local.exec_spare"]
+        try:
+            pid = os.posix_spawn(
+                sys.executable,
+                [*argv, str(theirs.fileno()), str(os.getpid())],
+                os.environ,
+                setsigdef=(signal.SIGINT, signal.SIGIO, signal.SIGTERM),
+            )
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
         self.spares.append((pid, ours))
         return pid
 

@@ -143,6 +143,8 @@ class PreloadChoice:
             not file
             or name == "__main__"
             or top in KERNEL_MACHINERY
+            or top.startswith("pytest_")  # pytest's plugins (and others' pytest_plugin
+            or "pytest_plugin" in name  # modules): loaded by a test run, never by workers
             or any(name == r or name.startswith(r + ".") for r in self._refused)
         ):
             return False

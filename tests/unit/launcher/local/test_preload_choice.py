@@ -34,7 +34,9 @@ def test_editable_installs_never_qualify_even_inside_site_packages() -> None:
 
 def test_kernel_machinery_test_runners_and_nbaccel_never_qualify() -> None:
     c = choice()
-    for name in ("ipykernel.kernelapp", "zmq", "IPython", "pytest", "nbaccel.launcher", "debugpy"):
+    names = ("ipykernel.kernelapp", "zmq", "IPython", "pytest", "nbaccel.launcher", "debugpy")
+    plugins = ("pytest_timeout", "anyio.pytest_plugin", "pydantic_pytest_plugin")
+    for name in names + plugins:
         assert not c.qualifies(name, f"{ROOT}/{name.replace('.', '/')}.py"), name
 
 

@@ -1,0 +1,39 @@
+"""A spare started from a fresh interpreter, for a helper that may no longer fork.
+
+When a library the helper preloaded turns out to have started a thread, opened a socket or
+initialised CUDA (``preload.import_checked``), forking the helper is unsafe. The kernel
+retires that helper, but a launch already on its way still needs workers from it. Such a
+helper starts its spares with ``posix_spawn`` (no Python runs between the fork and the
+exec) as ``python -m nbaccel.launcher.local.exec_spare FD HELPER_PID``: each imports torch
+itself (a cold start, as a first launch's workers once did), then waits on its socket and
+becomes the worker exactly as a forked spare does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from nbaccel.launcher import control
+from nbaccel.launcher.bootstrap.prctl import set_parent_death_signal
+
+
+def main(argv: list[str]) -> int:
+    channel = socket.socket(fileno=int(argv[1]))
+    helper_pid = int(argv[2])
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != helper_pid:  # the helper died before prctl
+        return 1
+    from nbaccel.launcher.local.worker import run_worker  # imports torch
+
+    message, fds = control.receive(channel)
+    if message is None:
+        return 0  # retired unused: the helper closed our socket
+    channel.close()
+    run_worker(message, fds, helper_pid=helper_pid)  # never returns
+
+
+if __name__ == "__main__":
+    os._exit(main(sys.argv))
