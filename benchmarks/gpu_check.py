@@ -43,8 +43,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = {"install": 20, "env": 15, "step-rate": 65, "parity": 120, "cuda-tests": 250}
-DRY_LIMITS = {"install": 30, "env": 30, "step-rate": 120, "parity": 120, "cuda-tests": 120}
+LIMITS = {
+    "install": 20,
+    "env": 15,
+    "cuda-launch": 25,
+    "step-rate": 65,
+    "parity": 115,
+    "cuda-tests": 230,
+}
+DRY_LIMITS = {
+    "install": 30,
+    "env": 30,
+    "cuda-launch": 60,
+    "step-rate": 120,
+    "parity": 120,
+    "cuda-tests": 120,
+}
 PARITY_CUDA_TEST = (
     "tests/multiprocess/test_accelerate_parity.py::"
     "test_the_cuda_program_gives_accelerates_numbers_under_nbaccel"
@@ -164,6 +178,8 @@ def plan(args: argparse.Namespace, work: Path) -> list[Part]:
     if args.dry_run:  # the GPU machine's Python: are the wheels installable there, one each?
         install += ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"]
         install += [f"--platform=manylinux{tag}_x86_64" for tag in ("_2_28", "_2_17", "2014")]
+    cuda_launch = [python, "benchmarks/cuda_launch.py"]
+    cuda_launch += ["--device", "cpu", "--launches", "3"] if args.dry_run else []
     step_rate = [python, "benchmarks/gpu_step_rate.py", "--json", str(work / "step-rate.json")]
     tiny = ["--device", "cpu", "--size", "tiny", "--quick"]
     step_rate += tiny if args.dry_run else ["--rounds", "8", "--block", "4"]
@@ -178,6 +194,7 @@ def plan(args: argparse.Namespace, work: Path) -> list[Part]:
     parts = [
         Part("install", install if wheels else ["true"], limits["install"]),
         Part("env", [python, "-c", ENV_PROBE], limits["env"]),
+        Part("cuda-launch", cuda_launch, limits["cuda-launch"]),
         Part("step-rate", step_rate, limits["step-rate"]),
         Part("parity", parity, limits["parity"]),
         Part("cuda-tests", tests, limits["cuda-tests"]),
@@ -234,6 +251,9 @@ def report(outcomes: list[Outcome], out_dir: Path, work: Path, dry_run: bool) ->
         lines += [", ".join(f"{k} {v}" for k, v in data["info"].items()), "", *data["table"]]
     else:
         lines.append("No figures: see step-rate.log.")
+    lines += ["", "## A warm launch to a first CUDA op (benchmarks/cuda_launch.py)", ""]
+    launch = re.search(r"^CUDA_LAUNCH (.*)$", read(out_dir / "cuda-launch.log"), re.M)
+    lines.append(launch.group(1) if launch else "No figures: see cuda-launch.log.")
     lines += ["", "## Parity programs (tests/parity/on_device.py)", ""]
     lines.append(read(work / "parity" / "parity.md").strip() or "No table: see parity.log.")
     lines += ["", "## cuda tests", "", *summarize_tests(read(out_dir / "cuda-tests.log"))]
