@@ -1,6 +1,6 @@
 """Run a handler in the main thread between two bytecodes of whatever it is doing.
 
-The helper imports heavy modules (``helper_main.WARM_LATER``) while it keeps serving the
+The helper imports heavy modules (``warm_up.WARM_LATER``) while it keeps serving the
 kernel: ``serving_while`` calls the handler as soon as the kernel writes to the control
 socket (SIGIO: the socket is put in async mode, owned by this process) and every ``every``
 seconds (a timer, for what raises no SIGIO, such as the workers' exits). Python runs signal

@@ -20,6 +20,26 @@ from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.prctl import set_parent_death_signal
 
 
+def start_exec_spare() -> tuple[int, socket.socket] | None:
+    """Start one such spare from the helper: its pid and the helper's end of its socket."""
+    ours, theirs = control.socket_pair()
+    os.set_inheritable(theirs.fileno(), True)
+    argv = [sys.executable, "-m", "nbaccel.launcher.local.exec_spare"]
+    try:
+        pid = os.posix_spawn(
+            sys.executable,
+            [*argv, str(theirs.fileno()), str(os.getpid())],
+            os.environ,
+            setsigdef=(signal.SIGINT, signal.SIGIO, signal.SIGTERM),
+        )
+    except OSError:
+        ours.close()
+        return None
+    finally:
+        theirs.close()
+    return pid, ours
+
+
 def main(argv: list[str]) -> int:
     channel = socket.socket(fileno=int(argv[1]))
     helper_pid = int(argv[2])

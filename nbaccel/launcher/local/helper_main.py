@@ -22,7 +22,6 @@ still fork (``preload.import_checked``), then replaces its spares with ones that
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import signal
@@ -34,7 +33,6 @@ from typing import Any
 
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.prctl import set_child_subreaper, set_parent_death_signal
-from nbaccel.launcher.local.between_bytecodes import serving_while
 from nbaccel.launcher.local.child_processes import (
     MAX_SPARES,
     drain,
@@ -42,10 +40,11 @@ from nbaccel.launcher.local.child_processes import (
     frozen_imports,
     next_exit,
     signal_group,
-    xla_machine,
 )
+from nbaccel.launcher.local.exec_spare import start_exec_spare
 from nbaccel.launcher.local.orphans import Orphans
 from nbaccel.launcher.local.preload import Preloader
+from nbaccel.launcher.local.warm_up import PARENT_POLL_SECONDS, WarmUp, _ParentGone
 
 # What a worker needs to start: before "ready", so nothing else delays a first launch that
 # comes right away (measured with -X importtime: torch; torch.distributed, cloudpickle,
@@ -58,36 +57,23 @@ PRELOAD = (
     "psutil",
     "nbaccel.launcher.local.worker",
 )
-# Imported once the helper is idle (right after "ready" when nothing is asked), so forked
-# workers find them loaded: nbaccel.accel (the Accelerator; 0.5-1.8 s here, most of it
-# FSDP's DTensor, imported on its own first) and torch._dynamo (DDP's constructor imports
-# it, 0.7-2.9 s in every worker of every launch that wraps a model). In PRELOAD they would
-# delay a first launch by as much. Requests are served during each import, spares are
-# refilled between two; those forked before the last are replaced at the end, and a
-# worker started meanwhile imports what it uses.
-WARM_LATER = ("torch.distributed.tensor", "nbaccel.accel", "torch._dynamo")
-# How often requests and exits are looked at while WARM_LATER is being imported, and how
-# long at most the import waits for a launch's workers to end (Helper.serve_mid_import).
-TICK_SECONDS = 0.005
-MAX_PAUSE_SECONDS = 2.0
 # Quiet time (no request, no worker exit, no worker alive) before WARM_LATER is imported.
 WARM_UP_AFTER_QUIET_SECONDS = 0.3
 # What _hand_to_spare returns for a request put in Helper.deferred (no child has pid 0).
 DEFERRED = 0
-PARENT_POLL_SECONDS = 1.0
 
 
-class _ParentGone(BaseException):
-    """The parent closed the socket or died while a WARM_LATER import was running: unwinds
-    out of the import (not an Exception, which warm_up would swallow) to serve()."""
-
-
-class Helper:
+class Helper(WarmUp):
     def __init__(self, sock: socket.socket, parent_pid: int) -> None:
         self.sock = sock
         self.parent_pid = parent_pid
         self.workers: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank)
         self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
+        # Spares forked before the last imports: still handed out when no newer one is left
+        # (a launch never waits for a fork because of a preload), retired once enough newer
+        # ones are forked; then the kernel hears the report that was held for it.
+        self.stale: set[int] = set()
+        self.held_report: dict[str, Any] | None = None
         self.wanted_spares = 0
         self.sized = False  # wanted_spares set for a first launch (at the first idle turn)
         self.warmed = False
@@ -115,7 +101,9 @@ class Helper:
         while os.getppid() == self.parent_pid:
             self._serve_deferred()
             # Make spares only when idle, one per turn, so requests are never kept waiting.
-            idle = len(self.spares) >= self.wanted_spares or self.preloader.unsafe is not None
+            idle = self.fresh_spares() >= self.wanted_spares or self.preloader.unsafe is not None
+            if idle and (self.stale or self.held_report):
+                self.retire_stale()
             # Warm up with no worker alive (it would take their CPU), after a quiet moment:
             # launches in a loop come back to back and would use up the spares mid-import.
             quiet_for = time.monotonic() - self.last_activity
@@ -147,57 +135,6 @@ class Helper:
                 self.last_activity = time.monotonic()
                 self.handle(message, fds)
 
-    def warm_up(self) -> None:
-        """Import WARM_LATER once (and torch_xla where launches use it), then the libraries
-        asked for, while still serving requests; then retire the spares forked without them."""
-        loaded = len(sys.modules)
-        first = () if self.warmed else WARM_LATER + (("torch_xla",) if xla_machine() else ())
-        self.warmed = True
-        for module in first:
-            env = dict(os.environ)
-            with self.serving_meanwhile(), frozen_imports():
-                try:
-                    __import__(module)
-                except Exception:  # noqa: BLE001 - workers import it themselves and report errors
-                    pass
-            # torch_xla writes PJRT_DEVICE, XLA_FLAGS, ... on import: workers get the
-            # launch's environment, never ours, so keep ours as it was.
-            os.environ.clear()
-            os.environ.update(env)
-            # Between two imports no module is half-run: forking is safe again.
-            self._serve_deferred()
-            while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
-                pass
-        if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
-            with self.serving_meanwhile(), frozen_imports():
-                self.preloader.run(self.reply, between=self._serve_deferred)
-        if self.preloader.unsafe is not None:
-            return  # forking is over: the spares forked before the import are all there is
-        if len(sys.modules) != loaded:  # the spares lack what was imported: new ones
-            for _, channel in self.spares:
-                channel.close()  # the spare reads EOF and exits; reap() collects it
-            self.spares.clear()
-        # Told only now: a launch that follows the report gets a spare with every import
-        # (while the imports were being served mid-way, it would have got an old spare).
-        self.reply(self.preloader.report)
-
-    def _serve_deferred(self) -> None:
-        """Requests read mid-import, served between two imports (forking is safe there)."""
-        while self.deferred:
-            self.handle(*self.deferred.pop(0))
-
-    def serving_meanwhile(self) -> contextlib.AbstractContextManager[None]:
-        """``serve_mid_import`` runs as soon as the kernel writes to the control socket and
-        every TICK_SECONDS while the body (an import) runs (``between_bytecodes``)."""
-        return serving_while(self.sock.fileno(), self._tick, TICK_SECONDS)
-
-    def _tick(self) -> None:
-        self.in_tick = True
-        try:
-            self.serve_mid_import()
-        finally:
-            self.in_tick = False
-
     def _wait(self, timeout: float) -> list[Any]:
         """Wait for the control socket or the wake-up pipe, at most ``timeout`` s and no
         later than the next orphan is due to be killed; then kill the orphans that are due."""
@@ -208,39 +145,6 @@ class Helper:
         ready, _, _ = select.select(waitables, [], [], timeout)
         self.orphans.kill_due(time.monotonic())
         return ready
-
-    def serve_mid_import(self) -> None:
-        """Requests and exits, from the timer, in the middle of an import.
-
-        A spawn goes to a spare forked before the import (a fork now would copy a half-run
-        import into the worker); without a spare it waits in ``deferred`` for the import's
-        end. While a launch's workers run, stay here up to MAX_PAUSE_SECONDS: the import
-        waits and leaves a short launch the CPU; a long run gets the import done in its first
-        seconds, so the next launch finds it. Only known children are reaped: the import may
-        be waiting for one of its own.
-        """
-        timeout = 0.0
-        resume_at = time.monotonic() + MAX_PAUSE_SECONDS
-        while True:
-            if os.getppid() != self.parent_pid:
-                raise _ParentGone
-            ready = self._wait(timeout)
-            if self.wake_read in ready:
-                while drain(self.wake_read):
-                    pass
-                self.reap(known_only=True)
-            if self.sock in ready:
-                message, fds = control.receive(self.sock)
-                if message is None:
-                    raise _ParentGone
-                if self.deferred or (message["op"] == "spawn" and not self.spares):
-                    self.deferred.append((message, fds))
-                else:
-                    self.handle(message, fds)
-            now = time.monotonic()
-            if self.deferred or not self.workers or now >= resume_at:
-                return
-            timeout = min(PARENT_POLL_SECONDS, resume_at - now)
 
     def handle(self, message: dict[str, Any], fds: list[int]) -> None:
         if message["op"] == "spawn":
@@ -285,7 +189,8 @@ class Helper:
                 return DEFERRED
             if not self.spares and self.fork_spare(fds_to_close=fds) is None:
                 return None
-            pid, channel = self.spares.pop()
+            fresh = [i for i, (pid, _) in enumerate(self.spares) if pid not in self.stale]
+            pid, channel = self.spares.pop(fresh[-1] if fresh else -1)
             try:
                 control.send(channel, message, fds)
                 return pid
@@ -329,23 +234,10 @@ class Helper:
 
     def exec_spare(self) -> int | None:
         """A spare in a fresh interpreter (``exec_spare.py``): slower, never unsafe."""
-        ours, theirs = control.socket_pair()
-        os.set_inheritable(theirs.fileno(), True)
-        argv = [sys.executable, "-m", "nbaccel.launcher.local.exec_spare"]
-        try:
-            pid = os.posix_spawn(
-                sys.executable,
-                [*argv, str(theirs.fileno()), str(os.getpid())],
-                os.environ,
-                setsigdef=(signal.SIGINT, signal.SIGIO, signal.SIGTERM),
-            )
-        except OSError:
-            ours.close()
-            return None
-        finally:
-            theirs.close()
-        self.spares.append((pid, ours))
-        return pid
+        started = start_exec_spare()
+        if started is not None:
+            self.spares.append(started)
+        return started[0] if started is not None else None
 
     def reap(self, *, known_only: bool = False) -> None:
         """Collect exited children and report workers' exits; ``known_only``: workers and
@@ -356,6 +248,7 @@ class Helper:
                 return
             owner = self.workers.pop(pid, None)
             if owner is None:  # a spare that died, or an orphaned grandchild (we are subreaper)
+                self.stale.discard(pid)
                 for spare in [s for s in self.spares if s[0] == pid]:
                     spare[1].close()
                     self.spares.remove(spare)

@@ -194,11 +194,11 @@ def test_mid_import_messages_after_a_deferred_spawn_keep_their_order(
 def test_mid_import_a_request_is_served_as_it_arrives_not_at_the_next_tick(
     idle_helper: tuple[Helper, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nbaccel.launcher.local import helper_main
+    from nbaccel.launcher.local import warm_up
 
     state, parent = idle_helper
     state.in_tick = False
-    monkeypatch.setattr(helper_main, "TICK_SECONDS", 60.0)  # no tick within this test
+    monkeypatch.setattr(warm_up, "TICK_SECONDS", 60.0)  # no tick within this test
     with state.serving_meanwhile():
         control.send(parent, {"op": "spawn", "run": "r1", "rank": 0, "processes": 2})
         deadline = time.monotonic() + 10.0

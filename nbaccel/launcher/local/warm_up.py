@@ -1,0 +1,168 @@
+"""The helper's imports while it serves: the Accelerator's modules once it is idle
+(``WARM_LATER``), then the libraries the kernel asked it to preload, each checked; requests
+that come meanwhile are served between two bytecodes of the import (``between_bytecodes``),
+from spares forked before it. Spares forked before the imports stay in use until enough
+newer ones are forked, then retire, and only then is the kernel told (``preloaded``).
+
+``WarmUp`` is the helper's (``helper_main.Helper``) part that does this; it names what it
+uses of the rest of the helper below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from nbaccel.launcher import control
+from nbaccel.launcher.local.between_bytecodes import serving_while
+from nbaccel.launcher.local.child_processes import drain, frozen_imports, xla_machine
+from nbaccel.launcher.local.preload import Preloader
+
+# Imported once the helper is idle (right after "ready" when nothing is asked), so forked
+# workers find them loaded: nbaccel.accel (the Accelerator; 0.5-1.8 s here, most of it
+# FSDP's DTensor, imported on its own first) and torch._dynamo (DDP's constructor imports
+# it, 0.7-2.9 s in every worker of every launch that wraps a model). In PRELOAD they would
+# delay a first launch by as much. Requests are served during each import, spares are
+# refilled between two; those forked before the last are replaced at the end, and a
+# worker started meanwhile imports what it uses.
+WARM_LATER = ("torch.distributed.tensor", "nbaccel.accel", "torch._dynamo")
+# How often requests and exits are looked at while WARM_LATER is being imported, and how
+# long at most the import waits for a launch's workers to end (WarmUp.serve_mid_import).
+TICK_SECONDS = 0.005
+MAX_PAUSE_SECONDS = 2.0
+PARENT_POLL_SECONDS = 1.0  # how often the helper checks that its parent lives
+
+
+class _ParentGone(BaseException):
+    """The parent closed the socket or died while a WARM_LATER import was running: unwinds
+    out of the import (not an Exception, which warm_up would swallow) to serve()."""
+
+
+class WarmUp:
+    # Of the helper (helper_main.Helper), which defines them.
+    sock: socket.socket
+    parent_pid: int
+    spares: list[tuple[int, socket.socket]]
+    stale: set[int]
+    held_report: dict[str, Any] | None
+    wanted_spares: int
+    warmed: bool
+    deferred: list[tuple[dict[str, Any], list[int]]]
+    in_tick: bool
+    workers: dict[int, tuple[str, int]]
+    preloader: Preloader
+    wake_read: int
+
+    def handle(self, message: dict[str, Any], fds: list[int]) -> None:
+        raise NotImplementedError
+
+    def reply(self, message: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def fork_spare(self, fds_to_close: list[int] | tuple[int, ...] = ()) -> int | None:
+        raise NotImplementedError
+
+    def reap(self, *, known_only: bool = False) -> None:
+        raise NotImplementedError
+
+    def _wait(self, timeout: float) -> list[Any]:
+        raise NotImplementedError
+
+    def warm_up(self) -> None:
+        """Import WARM_LATER once (and torch_xla where launches use it), then the libraries
+        asked for, while still serving requests; then retire the spares forked without them."""
+        loaded = len(sys.modules)
+        first = () if self.warmed else WARM_LATER + (("torch_xla",) if xla_machine() else ())
+        self.warmed = True
+        for module in first:
+            env = dict(os.environ)
+            with self.serving_meanwhile(), frozen_imports():
+                try:
+                    __import__(module)
+                except Exception:  # noqa: BLE001 - workers import it themselves and report errors
+                    pass
+            # torch_xla writes PJRT_DEVICE, XLA_FLAGS, ... on import: workers get the
+            # launch's environment, never ours, so keep ours as it was.
+            os.environ.clear()
+            os.environ.update(env)
+            # Between two imports no module is half-run: forking is safe again.
+            self._serve_deferred()
+            while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
+                pass
+        if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
+            with self.serving_meanwhile(), frozen_imports():
+                self.preloader.run(self.reply, between=self._serve_deferred)
+        if self.preloader.unsafe is not None:
+            return  # forking is over: the spares forked before the import are all there is
+        # Told once the spares have every import: a launch that follows the report gets one
+        # (before, while imports were served mid-way or newer spares forked, an older one).
+        self.held_report = self.preloader.report
+        if len(sys.modules) != loaded:  # the spares lack what was imported: newer ones
+            self.stale = {pid for pid, _ in self.spares}
+
+    def fresh_spares(self) -> int:
+        return sum(1 for pid, _ in self.spares if pid not in self.stale)
+
+    def retire_stale(self) -> None:
+        """Enough spares have every import: the older ones go, and the kernel is told."""
+        for pid, channel in [s for s in self.spares if s[0] in self.stale]:
+            channel.close()  # the spare reads EOF and exits; reap() collects it
+            self.spares.remove((pid, channel))
+        self.stale.clear()
+        if self.held_report is not None:
+            self.reply(self.held_report)
+            self.held_report = None
+
+    def _serve_deferred(self) -> None:
+        """Requests read mid-import, served between two imports (forking is safe there)."""
+        while self.deferred:
+            self.handle(*self.deferred.pop(0))
+
+    def serving_meanwhile(self) -> contextlib.AbstractContextManager[None]:
+        """``serve_mid_import`` runs as soon as the kernel writes to the control socket and
+        every TICK_SECONDS while the body (an import) runs (``between_bytecodes``)."""
+        return serving_while(self.sock.fileno(), self._tick, TICK_SECONDS)
+
+    def _tick(self) -> None:
+        self.in_tick = True
+        try:
+            self.serve_mid_import()
+        finally:
+            self.in_tick = False
+
+    def serve_mid_import(self) -> None:
+        """Requests and exits, from the timer, in the middle of an import.
+
+        A spawn goes to a spare forked before the import (a fork now would copy a half-run
+        import into the worker); without a spare it waits in ``deferred`` for the import's
+        end. While a launch's workers run, stay here up to MAX_PAUSE_SECONDS: the import
+        waits and leaves a short launch the CPU; a long run gets the import done in its first
+        seconds, so the next launch finds it. Only known children are reaped: the import may
+        be waiting for one of its own.
+        """
+        timeout = 0.0
+        resume_at = time.monotonic() + MAX_PAUSE_SECONDS
+        while True:
+            if os.getppid() != self.parent_pid:
+                raise _ParentGone
+            ready = self._wait(timeout)
+            if self.wake_read in ready:
+                while drain(self.wake_read):
+                    pass
+                self.reap(known_only=True)
+            if self.sock in ready:
+                message, fds = control.receive(self.sock)
+                if message is None:
+                    raise _ParentGone
+                if self.deferred or (message["op"] == "spawn" and not self.spares):
+                    self.deferred.append((message, fds))
+                else:
+                    self.handle(message, fds)
+            now = time.monotonic()
+            if self.deferred or not self.workers or now >= resume_at:
+                return
+            timeout = min(PARENT_POLL_SECONDS, resume_at - now)
