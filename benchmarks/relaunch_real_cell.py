@@ -71,7 +71,7 @@ The machine may be loaded and noisy: the load average is printed; compare ratios
 
 Usage::
 
-    python benchmarks/relaunch_real_cell.py                # 4 rounds, 4 warm per kernel
+    python benchmarks/relaunch_real_cell.py                # 3 rounds, 4 warm per kernel
     python benchmarks/relaunch_real_cell.py --quick        # smoke run: 1 round, 2 warm
     python benchmarks/relaunch_real_cell.py --rounds 5 --json samples.json
 """
@@ -97,6 +97,7 @@ KERNEL_TIMEOUT_S = 120.0  # kernel start, and the import cell on a loaded machin
 CELL_TIMEOUT_S = 180.0  # one launch cell (torchrun's workers import transformers each time)
 PRELOAD_TIMEOUT_S = 90.0  # the helper's preload of transformers after the launches
 EXIT_TIMEOUT_S = 60.0  # a kernel's children (nbaccel's helper) after its shutdown
+TORCHRUN_TIMEOUT_S = 60  # one torchrun launch takes ~6 s here; two of eight hung once
 
 TARGET_WARM = 1.0
 AIM_WARM = 0.8
@@ -150,6 +151,7 @@ def train():
             dist.destroy_process_group()
 """
 
+# Defined with the function (cell 2), untimed: a free port, and torchrun from the kernel.
 FREE_PORT = (
     "def _free_port():\n"
     "    import socket\n"
@@ -157,6 +159,21 @@ FREE_PORT = (
     "        s.bind(('127.0.0.1', 0))\n"
     "        return s.getsockname()[1]\n"
 )
+TORCHRUN = f"""
+def _torchrun(script, port):
+    import subprocess, sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", port, script]
+    try:
+        return subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout={TORCHRUN_TIMEOUT_S})
+    except subprocess.TimeoutExpired as error:  # keep what it said: why it hung
+        said = error.stderr or b""
+        said = said.decode(errors="replace") if isinstance(said, bytes) else said
+        raise RuntimeError(f"torchrun still running after {TORCHRUN_TIMEOUT_S} s; its stderr "
+                           f"ended with: {{said[-1500:]}}") from None
+"""
 
 # Cell 1 per way (timed in the kernel from its first statement).
 IMPORT_CELLS = {
@@ -182,9 +199,7 @@ CALLS = {
     "nbaccel": "nbaccel.notebook_launcher(train, num_processes=2, dashboard=False, "
     "runs_dir={runs!r})",
     "accelerate": "accelerate.notebook_launcher(train, num_processes=2, use_port=_port)",
-    "torchrun": "subprocess.run([sys.executable, '-m', 'torch.distributed.run', "
-    "'--nproc_per_node', '2', '--master_addr', '127.0.0.1', '--master_port', _port, "
-    "{script!r}], capture_output=True, text=True, timeout=150)",
+    "torchrun": "_torchrun({script!r}, _port)",
 }
 
 # After the launches of an nbaccel kernel: the helper's memory once it has preloaded.
@@ -327,12 +342,12 @@ def run_kernel(way: str, think_first: float, pauses: list[float]) -> dict[str, A
         script.write_text(source + "\nif __name__ == '__main__':\n    train()\n")
         cell = launch_cell(way, str(root / "runs"), str(script))
         kernel = Kernel(root / "kernel", KERNEL_ENV.get(way, {}))
+        samples: list[dict[str, Any]] = []
         try:
             timed = f"import time as _time\n_t0 = _time.perf_counter()\n{IMPORT_CELLS[way]}\n"
             timed += "_import_s = _time.perf_counter() - _t0"
             result["import_s"] = kernel.cell(timed, import_s="_import_s")["import_s"]
-            kernel.cell(source + FREE_PORT)
-            samples = []
+            kernel.cell(source + FREE_PORT + TORCHRUN)
             for pause in [think_first, *pauses]:
                 sleep_until(time.perf_counter() + pause)
                 started = time.perf_counter()
@@ -348,6 +363,7 @@ def run_kernel(way: str, think_first: float, pauses: list[float]) -> dict[str, A
                     result["memory"] = {"error": str(error)[:300]}
         except Exception as error:  # noqa: BLE001 - a failed kernel is a result, not a crash
             result["error"] = f"{type(error).__name__}: {error}"
+            result["before_error"] = samples  # kept in the JSON, left out of the medians
         finally:
             killed = kernel.close()
             if killed:
@@ -585,14 +601,14 @@ def errors(rounds: list[list[dict[str, Any]]]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 2 warm")
-    parser.add_argument("--rounds", type=int, help="paired rounds (default 4)")
+    parser.add_argument("--rounds", type=int, help="paired rounds (default 3)")
     parser.add_argument("--warm", type=int, help="relaunches per kernel (default 4)")
     parser.add_argument("--torchrun", type=int, help="torchrun launches per round (default 2)")
     parser.add_argument("--think-first", type=float, default=3.0, help="s before 1st launch")
     parser.add_argument("--think-warm", type=float, default=1.5, help="s between relaunches")
     parser.add_argument("--json", metavar="PATH", help="write every raw sample here")
     args = parser.parse_args(argv)
-    defaults = (1, 2, 1) if args.quick else (4, 4, 2)
+    defaults = (1, 2, 1) if args.quick else (3, 4, 2)
     for name, value in zip(("rounds", "warm", "torchrun"), defaults, strict=True):
         if getattr(args, name) is None:
             setattr(args, name, value)
