@@ -162,17 +162,24 @@ FREE_PORT = (
 TORCHRUN = f"""
 def _torchrun(script, port):
     import subprocess, sys
+    import psutil
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", port, script]
-    try:
-        return subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout={TORCHRUN_TIMEOUT_S})
-    except subprocess.TimeoutExpired as error:  # keep what it said: why it hung
-        said = error.stderr or b""
-        said = said.decode(errors="replace") if isinstance(said, bytes) else said
-        raise RuntimeError(f"torchrun still running after {TORCHRUN_TIMEOUT_S} s; its stderr "
-                           f"ended with: {{said[-1500:]}}") from None
+    with subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as agent:
+        try:
+            out, err = agent.communicate(timeout={TORCHRUN_TIMEOUT_S})
+        except subprocess.TimeoutExpired:
+            # Its workers sit in sessions of their own and hold its pipes: kill them too.
+            tree = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(True)]
+            for process in tree:
+                process.kill()
+            psutil.wait_procs(tree, timeout=10)
+            out, err = agent.communicate(timeout=10)
+            raise RuntimeError(f"torchrun still running after {TORCHRUN_TIMEOUT_S} s; its "
+                               f"stderr ended with: {{err[-1500:]}}") from None
+    return subprocess.CompletedProcess(command, agent.returncode, out, err)
 """
 
 # Cell 1 per way (timed in the kernel from its first statement).
