@@ -252,7 +252,11 @@ helper = Helper(theirs, os.getpid())
 helper.preloader.unsafe = "preloading thready: it started a thread at import"
 pid = helper.fork_spare()
 spare = psutil.Process(pid)
-cmdline = spare.cmdline()
+deadline = time.monotonic() + 60  # until the spawned child has exec'd (bounded)
+while "nbaccel.launcher.local.exec_spare" not in (cmdline := spare.cmdline()):
+    if time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
 alive = spare.is_running() and spare.status() != psutil.STATUS_ZOMBIE
 for _, channel in helper.spares:
     channel.close()              # a retired spare: EOF on its socket, and it leaves
