@@ -64,8 +64,13 @@ class Hazards:
         )
 
 
-def import_checked(name: str, before: Hazards) -> str | None:
+def import_checked(
+    name: str, before: Hazards, held: Callable[[], frozenset[str]] = frozenset
+) -> str | None:
     """Import ``name``; why the helper may no longer fork (an unsafe import), or None.
+
+    ``held()``: the sockets the helper itself came to hold during the import (a launch's
+    rendezvous socket that arrived with a request served mid-import): not the library's.
 
     An import that fails is no hazard (the workers import it themselves and report what
     fails); a changed signal handler is undone here (see ``undo_handlers``) and reported
@@ -85,7 +90,7 @@ def import_checked(name: str, before: Hazards) -> str | None:
     after = Hazards.now()
     if after.python_threads > before.python_threads or after.native_threads > before.native_threads:
         return "it started a thread at import"
-    if after.sockets - before.sockets:
+    if after.sockets - before.sockets - held():
         return "it opened a socket at import"
     if after.cuda and not before.cuda:
         return "it initialised CUDA at import"
@@ -116,6 +121,19 @@ def _native_threads() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:  # not Linux: Python's count is all there is
         return 1
+
+
+def sockets_of(fds: list[int]) -> frozenset[str]:
+    """The socket identities (``socket:[inode]``) of these fds."""
+    found = set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return frozenset(found)
 
 
 def _sockets() -> frozenset[str]:
@@ -179,7 +197,12 @@ class Preloader:
         self.asked.update(fresh)
         self.pending += fresh
 
-    def run(self, reply: Callable[[dict[str, Any]], None], between: Callable[[], None]) -> None:
+    def run(
+        self,
+        reply: Callable[[dict[str, Any]], None],
+        between: Callable[[], None],
+        held: Callable[[], frozenset[str]] = frozenset,
+    ) -> None:
         import psutil
 
         names, self.pending = self.pending, []
@@ -193,7 +216,7 @@ class Preloader:
             if process.memory_info().rss - self._base_rss > self.max_growth:
                 capped = True
                 break
-            why = import_checked(name, Hazards.now())
+            why = import_checked(name, Hazards.now(), held)
             if why is not None and why.startswith("handlers: "):
                 forget(name)  # its handlers are undone; workers import it afresh
                 reply({"op": "preload_refused", "module": name, "why": why[10:]})

@@ -20,7 +20,7 @@ from typing import Any
 from nbaccel.launcher import control
 from nbaccel.launcher.local.between_bytecodes import serving_while
 from nbaccel.launcher.local.child_processes import drain, frozen_imports, xla_machine
-from nbaccel.launcher.local.preload import Preloader
+from nbaccel.launcher.local.preload import Preloader, sockets_of
 
 # Imported once the helper is idle (right after "ready" when nothing is asked), so forked
 # workers find them loaded: nbaccel.accel (the Accelerator; 0.5-1.8 s here, most of it
@@ -95,7 +95,7 @@ class WarmUp:
                 pass
         if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
             with self.serving_meanwhile(), frozen_imports():
-                self.preloader.run(self.reply, between=self._serve_deferred)
+                self.preloader.run(self.reply, self._serve_deferred, self.held_sockets)
         if self.preloader.unsafe is not None:
             return  # forking is over: the spares forked before the import are all there is
         # Told once the spares have every import: a launch that follows the report gets one
@@ -116,6 +116,10 @@ class WarmUp:
         if self.held_report is not None:
             self.reply(self.held_report)
             self.held_report = None
+
+    def held_sockets(self) -> frozenset[str]:
+        """The sockets that came with requests waiting mid-import (rank 0's rendezvous)."""
+        return sockets_of([fd for _, fds in self.deferred for fd in fds])
 
     def _serve_deferred(self) -> None:
         """Requests read mid-import, served between two imports (forking is safe there)."""
