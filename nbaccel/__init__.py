@@ -22,6 +22,7 @@ from nbaccel.errors import (
     RunCancelled,
     SerializationError,
     WorkerError,
+    WorkersEnded,
 )
 from nbaccel.launcher.prewarm import prewarm as _prewarm
 from nbaccel.ui.kernel import in_kernel as _in_kernel
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.context import ProcessContext, active_session
     from nbaccel.detached_runs import attach, runs
     from nbaccel.events import RunState
+    from nbaccel.launcher.interactive.workers import Workers
     from nbaccel.launcher.run import Run
     from nbaccel.launching import debug_launcher, launch, notebook_launcher
     from nbaccel.metrics import log_metrics
@@ -73,6 +75,7 @@ _LAZY = {
     "ConfigPanel": "nbaccel.ui.panel.config_panel",  # ipywidgets
     "ProcessContext": "nbaccel.context",
     "Run": "nbaccel.launcher.run",
+    "Workers": "nbaccel.launcher.interactive.workers",
     "RunState": "nbaccel.events",
     "active_session": "nbaccel.context",
     "attach": "nbaccel.detached_runs",
@@ -156,6 +159,8 @@ __all__ = [
     "RunState",
     "SerializationError",
     "WorkerError",
+    "Workers",
+    "WorkersEnded",
     "active_session",
     "attach",
     "cpu_offload",

@@ -171,6 +171,12 @@ class Run(RunPump):
             self._post({"op": "stop"})
         return self.wait(timeout)
 
+    def signal_workers(self, signum: int) -> None:
+        """Send ``signum`` to the process group of every live worker of this run (what an
+        interactive worker's interrupt is); nothing once the run has ended."""
+        if self._helper is not None and not self._done.is_set():
+            self._helper.signal(self.run_id, signum)
+
     def __repr__(self) -> str:
         return (
             f"<nbaccel.Run {self.run_id} {self._state.value} "
