@@ -187,7 +187,7 @@ def test_workers_end_when_their_kernel_dies_and_it_stays_torch_free(tmp_path: Pa
         """
         import sys, nbaccel
         workers = nbaccel.Workers(num_processes=2, runs_dir=sys.argv[1])
-        workers.run_cell("import torch\nx = torch.ones(2)\nx", "<cell>")
+        workers.run_cell("import torch\\nx = torch.ones(2)\\nx", "<cell>")
         try:
             workers.run_cell("x.foo()", "<cell>")
         except AttributeError:
