@@ -117,6 +117,13 @@ _LAZY = {
 }
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md)."""
+    from nbaccel.magic import load_ipython_extension as load
+
+    load(ipython)
+
+
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")

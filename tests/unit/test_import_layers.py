@@ -33,6 +33,7 @@ ENTRY = (
     "nbaccel.demo",
     "nbaccel.utils",
     "nbaccel.logging",
+    "nbaccel.magic",
 )
 SIDES = ("nbaccel.launcher", "nbaccel.accel")
 BASE = (

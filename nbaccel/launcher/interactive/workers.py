@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,6 +43,13 @@ START_TIMEOUT = 300.0  # a cold start imports torch and may load CUDA: minutes o
 INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the group is ended
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
 _REFUSED = ("hosts", "detach", "max_restarts", "num_machines")
+# The last Workers made in this process, weakly: where ``%%nbaccel`` without a name runs.
+_last_made: weakref.ref[Workers] | None = None
+
+
+def last_workers() -> Workers | None:
+    """The last ``Workers`` made in this process, if it still exists (closed or not)."""
+    return _last_made() if _last_made is not None else None
 
 
 class Workers:
@@ -87,6 +95,8 @@ class Workers:
         self.memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
         self._run: Run | None = None
         self._start()
+        global _last_made
+        _last_made = weakref.ref(self)
 
     # ----- public API -------------------------------------------------------------
     @property
@@ -112,10 +122,13 @@ class Workers:
         call = dumps_call(function, args, kwargs)
         return self._call({"op": "run", "call": call})
 
-    def run_cell(self, code: str, filename: str) -> dict[int, Any]:
+    def run_cell(
+        self, code: str, filename: str, show_ranks: frozenset[int] | None = None
+    ) -> dict[int, Any]:
         """Run a cell's ``code`` in every rank's namespace (what ``%%nbaccel`` does); the
-        repr of its last expression on each rank (None when there is none)."""
-        return self._call({"op": "exec", "code": code, "filename": filename})
+        repr of its last expression on each rank (None when there is none). ``show_ranks``:
+        whose output is shown for this cell (default: ``log_ranks``'s; empty: all)."""
+        return self._call({"op": "exec", "code": code, "filename": filename}, show_ranks)
 
     def push(self, **values: Any) -> None:
         """Set ``name=value`` in every rank's namespace (the same value on each)."""
@@ -190,9 +203,10 @@ class Workers:
             raise
         self._replies = Replies(self._conns)
 
-    def _printer(self) -> TextPrinter:
+    def _printer(self, show_ranks: frozenset[int] | None = None) -> TextPrinter:
         run = self._live_run()
-        return TextPrinter(sys.stdout, run.shown_ranks(), announce_end=False)
+        ranks = run.shown_ranks() if show_ranks is None else (show_ranks or None)
+        return TextPrinter(sys.stdout, ranks, announce_end=False)
 
     def _live_run(self) -> Run:
         if self._run is None:
@@ -202,14 +216,16 @@ class Workers:
             )
         return self._run
 
-    def _call(self, command: dict[str, Any]) -> dict[int, Any]:
+    def _call(
+        self, command: dict[str, Any], show_ranks: frozenset[int] | None = None
+    ) -> dict[int, Any]:
         run = self._live_run()
         self._seq += 1
         seq = self._seq
         new_sources = {k: v for k, v in cell_sources().items() if k not in self._sent_sources}
         self._sent_sources |= set(new_sources)
         frame = pickle.dumps({**command, "seq": seq, "sources": new_sources}, protocol=5)
-        self._relay.target = self._printer()  # a fresh printer in the calling cell
+        self._relay.target = self._printer(show_ranks)  # a fresh printer in the calling cell
         try:
             for conn in self._conns.values():
                 send_frame(conn, frame)
@@ -217,7 +233,7 @@ class Workers:
             self._end(f"sending a command to the workers failed ({error!r})")
             raise
         replies = self._wait(run)
-        shown = run.shown_ranks()
+        shown = run.shown_ranks() if show_ranks is None else (show_ranks or None)
         self._relay.wait_output(seq, shown if shown is not None else run.ranks, OUTPUT_GRACE)
         self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
         errors = [r for r in replies.values() if r["status"] == "error"]
