@@ -65,6 +65,7 @@ def test_notebooks_folder_has_examples() -> None:
         "05_accelerate_code_unchanged",
         "06_colab_tpu",
         "07_long_runs",
+        "08_interactive",
     }, names
 
 
@@ -208,6 +209,9 @@ def test_example_notebook_runs(name: str, cells: Any, kernel_dirs: Path, tmp_pat
     check = CONTENT_CHECKS.get(name)
     if check is not None:
         check(Widgets(nb, updates, restarts), cells, folder)
+    text_check = TEXT_CHECKS.get(name)  # notebooks that show no widgets
+    if text_check is not None:
+        text_check(nb, cells, folder)
 
 
 # --------------------------------------------------------------------------- reading widgets
@@ -580,6 +584,25 @@ def _another_notebooks_run(folder: Path) -> None:
     ended = {"time": 1767225600.0, "event": "ended", "state": "succeeded"}
     (run_dir / "events.jsonl").write_text(json.dumps(ended) + "\n")
 
+
+def _check_interactive(nb: Any, cells: Any, folder: Path) -> None:
+    built = cells.stream(cells.cell(nb, "build"))
+    assert re.search(r"built on rank 0 \(pid \d+\): \d+ parameters", built), built
+    assert "rank 1" not in built, built  # rank 0's output only, as in a launch
+    train = cells.cell(nb, "train")
+    assert cells.result(train) == "True", "the training cell ran in another process"
+    first = re.search(r"trained 3 epochs: loss ([\d.]+), lr 0.001", cells.stream(train))
+    assert first, cells.stream(train)
+    evaluated = float(cells.result(cells.cell(nb, "eval")))
+    train_on = cells.cell(nb, "train-on")
+    assert "lr 0.003" in cells.stream(train_on), cells.stream(train_on)
+    after = float(cells.result(train_on))
+    assert after < evaluated, (evaluated, after)  # training went on from where it was
+    pulled = ast.literal_eval(cells.result(cells.cell(nb, "pull")))
+    assert set(pulled) == {0, 1} and pulled[0][0] == pulled[1][0] == 6 * 14, pulled
+
+
+TEXT_CHECKS = {"08_interactive.ipynb": _check_interactive}
 
 CONTENT_CHECKS = {
     "01_quickstart_cpu.ipynb": _check_quickstart,
