@@ -57,7 +57,7 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.context import ProcessContext, active_session
     from nbaccel.detached_runs import attach, runs
     from nbaccel.events import RunState
-    from nbaccel.launcher.interactive.workers import Workers
+    from nbaccel.interactive import Workers
     from nbaccel.launcher.run import Run
     from nbaccel.launching import debug_launcher, launch, notebook_launcher
     from nbaccel.metrics import log_metrics
@@ -75,7 +75,7 @@ _LAZY = {
     "ConfigPanel": "nbaccel.ui.panel.config_panel",  # ipywidgets
     "ProcessContext": "nbaccel.context",
     "Run": "nbaccel.launcher.run",
-    "Workers": "nbaccel.launcher.interactive.workers",
+    "Workers": "nbaccel.interactive",
     "RunState": "nbaccel.events",
     "active_session": "nbaccel.context",
     "attach": "nbaccel.detached_runs",

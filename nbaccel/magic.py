@@ -14,7 +14,7 @@ import argparse
 import shlex
 from typing import Any
 
-from nbaccel.launcher.interactive.workers import Workers, last_workers
+from nbaccel.launcher.interactive.workers import WorkerGroup, last_workers
 
 
 class RankRepr(str):
@@ -56,7 +56,7 @@ def nbaccel_cell(line: str, cell: str, namespace: dict[str, Any], number: int) -
     """Run ``cell`` on the workers the line names (or the last made); rank 0's last value."""
     name, ranks = parse_line(line)
     workers = namespace.get(name) if name is not None else last_workers()
-    if not isinstance(workers, Workers):
+    if not isinstance(workers, WorkerGroup):
         where = f"{name!r} is not an nbaccel.Workers" if name else "no nbaccel.Workers exists"
         raise NameError(
             f"%%nbaccel: {where}. Start workers first: workers = nbaccel.Workers(num_processes=2)"

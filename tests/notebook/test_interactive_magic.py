@@ -87,7 +87,9 @@ def test_cells_keep_state_fail_by_rank_take_interrupts_and_die_with_the_kernel(
         f"""
         %load_ext nbaccel
         import nbaccel
-        workers = nbaccel.Workers(num_processes=2, runs_dir={str(tmp_path / "runs")!r})
+        workers = nbaccel.Workers(
+            num_processes=2, dashboard="text", runs_dir={str(tmp_path / "runs")!r}
+        )
         PIDS = sorted(workers.pids.values())
         import os
         """,

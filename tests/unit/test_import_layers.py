@@ -34,6 +34,7 @@ ENTRY = (
     "nbaccel.utils",
     "nbaccel.logging",
     "nbaccel.magic",
+    "nbaccel.interactive",
 )
 SIDES = ("nbaccel.launcher", "nbaccel.accel")
 BASE = (

@@ -79,10 +79,11 @@ def build_cell_error(
     replies: Sequence[dict[str, Any]], world_size: int, collective_timeout: float
 ) -> BaseException:
     """The exception of the rank that failed on its own (before those its failure caused),
-    as a launch raises it."""
+    as a launch raises it. Every reply is in hand, so among ranks that failed on their own
+    the lowest is named, not the quickest: a cell that fails everywhere names rank 0."""
     failures = []
     for reply in replies:
         report: WorkerFailed = reply["error"]
-        failures.append(Failure(report.rank, report.cause, report.time, report=report))
+        failures.append(Failure(report.rank, report.cause, 0.0, report=report))
     culprit = choose_culprit(failures)
     return build_error(culprit, world_size=world_size, collective_timeout=collective_timeout)

@@ -1,4 +1,5 @@
-"""``nbaccel.Workers``: a process group that keeps its state between cells (parent side).
+"""``WorkerGroup``: a process group that keeps its state between cells (parent side; the
+public ``nbaccel.Workers`` adds the per-call dashboard above the launcher, ``nbaccel.interactive``).
 
 It is one long launch (``api.start``) whose function is ``serve.serve``: every rank connects
 back over an abstract Unix socket, checked to be this user's (``control.same_user``) and to
@@ -24,7 +25,7 @@ from typing import Any
 from nbaccel import unpickling
 from nbaccel.config.resolve import ConfigSource
 from nbaccel.errors import ConfigError, WorkersEnded
-from nbaccel.events import RunState
+from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.payload import cell_sources, dumps_call
 from nbaccel.launcher.control import same_user
@@ -37,6 +38,7 @@ from nbaccel.launcher.interactive.wire import (
     serve_on_rank,
 )
 from nbaccel.launcher.printer import TextPrinter
+from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
 
 START_TIMEOUT = 300.0  # a cold start imports torch and may load CUDA: minutes on a slow disk
@@ -44,34 +46,17 @@ INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the gr
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
 _REFUSED = ("hosts", "detach", "max_restarts", "num_machines")
 # The last Workers made in this process, weakly: where ``%%nbaccel`` without a name runs.
-_last_made: weakref.ref[Workers] | None = None
+_last_made: weakref.ref[WorkerGroup] | None = None
 
 
-def last_workers() -> Workers | None:
+def last_workers() -> WorkerGroup | None:
     """The last ``Workers`` made in this process, if it still exists (closed or not)."""
     return _last_made() if _last_made is not None else None
 
 
-class Workers:
-    """Persistent workers: ``run`` functions and cells on every rank, keeping their state.
-
-    Takes what ``nbaccel.launch`` takes but the function (``hosts=``, ``detach=``,
-    ``max_restarts=`` and ``num_machines=`` are refused for now). torch.distributed is
-    initialised on every rank, each on its device. Output is shown as text in the calling
-    cell (the shown ranks', ``log_ranks``). See docs/interactive.md.
-
-    >>> import nbaccel
-    >>> def where():
-    ...     import os, torch.distributed as dist
-    ...     return dist.get_rank(), os.getpid()
-    >>> with nbaccel.Workers(num_processes=2) as workers:
-    ...     first = workers.run(where)
-    ...     workers.push(step=3)
-    ...     same = workers.run(where) == first
-    ...     steps = workers.pull("step")
-    >>> sorted(first), same, steps
-    ([0, 1], True, {0: 3, 1: 3})
-    """
+class WorkerGroup:
+    """The processes of ``nbaccel.Workers`` (``nbaccel/interactive.py``) and their calls;
+    shown as text here. See docs/interactive.md."""
 
     def __init__(
         self,
@@ -132,16 +117,16 @@ class Workers:
 
     def push(self, **values: Any) -> None:
         """Set ``name=value`` in every rank's namespace (the same value on each)."""
-        self._call({"op": "push", "values": dumps_call(dict, (), values)})
+        self._call({"op": "push", "values": dumps_call(dict, (), values)}, shown=False)
 
     def pull(self, name: str) -> dict[int, Any]:
         """``{rank: value}`` of ``name`` in every rank's namespace."""
-        values = self._call({"op": "pull", "names": [name]})
+        values = self._call({"op": "pull", "names": [name]}, shown=False)
         return {rank: found[name] for rank, found in values.items()}
 
     def free_memory(self) -> dict[int, dict[str, int]]:
         """Collect garbage and empty the device's cache on every rank; memory after it."""
-        self._call({"op": "free"})
+        self._call({"op": "free"}, shown=False)
         return dict(self.memory)
 
     def restart(self) -> None:
@@ -163,7 +148,7 @@ class Workers:
             run.stop()
         self._listener.close()
 
-    def __enter__(self) -> Workers:
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -190,10 +175,9 @@ class Workers:
                 None,
                 self._config,
                 self._overrides,
-                show=lambda run, gpus: run.subscribe(self._relay),
+                show=self._subscribe_relay,
             )
             self._run = run
-            self._relay.target = self._printer()
             self._conns, self._pids = _accept_ranks(listener, run, token)
         except BaseException:
             if self._run is not None:
@@ -203,10 +187,18 @@ class Workers:
             raise
         self._replies = Replies(self._conns)
 
-    def _printer(self, show_ranks: frozenset[int] | None = None) -> TextPrinter:
-        run = self._live_run()
+    def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
+        """What shows one call's output and events, in the calling cell: rank-labelled text
+        here; ``nbaccel.Workers`` shows a dashboard per call in a kernel with widgets."""
         ranks = run.shown_ranks() if show_ranks is None else (show_ranks or None)
         return TextPrinter(sys.stdout, ranks, announce_end=False)
+
+    def _subscribe_relay(self, run: Run, gpus: int) -> None:
+        self._gpus = gpus
+        # Between calls (a rank's thread printing), output goes out as text.
+        self._idle = TextPrinter(sys.stdout, run.shown_ranks(), announce_end=False)
+        self._relay.target = self._idle
+        run.subscribe(self._relay)
 
     def _live_run(self) -> Run:
         if self._run is None:
@@ -217,31 +209,53 @@ class Workers:
         return self._run
 
     def _call(
-        self, command: dict[str, Any], show_ranks: frozenset[int] | None = None
+        self,
+        command: dict[str, Any],
+        show_ranks: frozenset[int] | None = None,
+        *,
+        shown: bool = True,
     ) -> dict[int, Any]:
+        """Send ``command`` to every rank and return their values. ``shown``: the call gets
+        a display of its own (a dashboard in a kernel); push, pull and free_memory print
+        what the ranks print, as text, and nothing else."""
         run = self._live_run()
         self._seq += 1
         seq = self._seq
         new_sources = {k: v for k, v in cell_sources().items() if k not in self._sent_sources}
         self._sent_sources |= set(new_sources)
         frame = pickle.dumps({**command, "seq": seq, "sources": new_sources}, protocol=5)
-        self._relay.target = self._printer(show_ranks)  # a fresh printer in the calling cell
+        display = self._display(run, self._gpus, show_ranks) if shown else self._idle
+        self._relay.target = display
+        started = time.time()
+        display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
+        error: BaseException | None = None
         try:
-            for conn in self._conns.values():
-                send_frame(conn, frame)
-        except BaseException as error:  # a frame cut short: the stream has lost its place
-            self._end(f"sending a command to the workers failed ({error!r})")
+            try:
+                for conn in self._conns.values():
+                    send_frame(conn, frame)
+            except BaseException as failed:  # a frame cut short: the stream has lost its place
+                self._end(f"sending a command to the workers failed ({failed!r})")
+                raise
+            replies = self._wait(run)
+            visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
+            ranks = visible if visible is not None else run.ranks
+            self._relay.wait_output(seq, ranks, OUTPUT_GRACE)
+            self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
+            errors = _errors(replies)
+            if errors:
+                raise build_cell_error(errors, run.world_size, run.config.collective_timeout)
+            if any(r["status"] == "interrupted" for r in replies.values()):
+                raise KeyboardInterrupt
+            return {rank: pickle.loads(r["value"]) for rank, r in sorted(replies.items())}
+        except BaseException as failed:
+            error = failed
             raise
-        replies = self._wait(run)
-        shown = run.shown_ranks() if show_ranks is None else (show_ranks or None)
-        self._relay.wait_output(seq, shown if shown is not None else run.ranks, OUTPUT_GRACE)
-        self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
-        errors = [r for r in replies.values() if r["status"] == "error"]
-        if errors:
-            raise build_cell_error(errors, run.world_size, run.config.collective_timeout)
-        if any(r["status"] == "interrupted" for r in replies.values()):
-            raise KeyboardInterrupt
-        return {rank: pickle.loads(r["value"]) for rank, r in sorted(replies.items())}
+        finally:
+            state = RunState.SUCCEEDED if error is None else RunState.FAILED
+            if isinstance(error, KeyboardInterrupt):
+                state, error = RunState.CANCELLED, None
+            display(RunEnded(state, error, time.time() - started, time.time()))
+            self._relay.target = self._idle
 
     def _wait(self, run: Run) -> dict[int, dict[str, Any]]:
         """Every rank's reply. An interrupt gets every rank SIGINT at once; one rank's error
