@@ -3,6 +3,7 @@ their state between calls, fail and get interrupted without being lost, and leav
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -180,6 +181,14 @@ def test_close_and_twenty_calls_leave_nothing(runs_dir: str) -> None:
     wait_for(lambda: gone(pids), 30, "the workers to end")
     wait_for(lambda: threading.active_count() == threads, 10, "the run's threads to end")
     assert me.num_fds() == fds
+
+
+def test_workers_dropped_without_close_end(runs_dir: str) -> None:
+    workers = nbaccel.Workers(num_processes=2, runs_dir=runs_dir)
+    pids = workers.pids
+    del workers  # a setup cell run again: the old object goes, and its processes with it
+    gc.collect()
+    wait_for(lambda: gone(pids), 30, "the dropped workers to end")
 
 
 def test_workers_end_when_their_kernel_dies_and_it_stays_torch_free(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ dying kernel that takes its workers with it."""
 
 from __future__ import annotations
 
+import ast
 import os
 import queue
 import signal
@@ -156,3 +157,37 @@ def test_cells_keep_state_fail_by_rank_take_interrupts_and_die_with_the_kernel(
 
     os.kill(kernel_pid, signal.SIGKILL)  # a dying kernel: no clean-up of its own
     wait_for(lambda: gone(pids), 30, "the workers to end with their kernel")
+
+
+STATE = "(threading.active_count(), psutil.Process().num_fds(), len(psutil.Process().children()))"
+
+
+def test_twenty_cells_with_dashboards_leak_nothing_in_the_kernel(
+    kernel: tuple[KernelManager, BlockingKernelClient], tmp_path: Path
+) -> None:
+    _, kc = kernel
+    reply, text = run_cell(
+        kc,
+        f"""
+        %load_ext nbaccel
+        import threading, psutil, nbaccel
+        workers = nbaccel.Workers(num_processes=2, runs_dir={str(tmp_path / "runs")!r})
+        """,
+    )
+    assert reply["status"] == "ok", text
+    cell = "%%nbaccel\nimport torch\nx = torch.ones(4)\nprint('step', x.sum().item())"
+    for _ in range(2):  # warm: the first dashboards load ipywidgets and matplotlib
+        assert run_cell(kc, cell)[0]["status"] == "ok"
+    reply, _ = run_cell(kc, "pass", state=STATE)
+    before = ast.literal_eval(expression(reply, "state"))
+    for index in range(20):
+        reply, text = run_cell(kc, cell if index % 5 else "%%nbaccel\n1 / 0")
+        assert reply["status"] == ("ok" if index % 5 else "error"), text
+    deadline = time.monotonic() + 15  # the last dashboards' threads end after their summary
+    while True:  # none more than before (a file the first dashboards opened may be closed)
+        after = ast.literal_eval(expression(run_cell(kc, "pass", state=STATE)[0], "state"))
+        if all(a <= b for a, b in zip(after, before, strict=True)):
+            break
+        assert time.monotonic() < deadline, f"threads, fds, children: {before} -> {after}"
+    reply, text = run_cell(kc, "sorted(workers.run(lambda: 1))", result="_")
+    assert "Out: [0, 1]" in text, text

@@ -137,16 +137,9 @@ class WorkerGroup:
     def close(self, timeout: float = 30.0) -> None:
         """End the workers: each leaves its serve loop and exits; stopped if it will not."""
         run, self._run = self._run, None
-        if run is None:
-            return
-        self._replies.close()
-        for conn in self._conns.values():
-            conn.close()
-        try:
-            run.wait(timeout)
-        except TimeoutError:
-            run.stop()
-        self._listener.close()
+        if run is not None:
+            self._finalizer.detach()
+            _shut(run, self._replies, self._conns, self._listener, wait=timeout)
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -186,6 +179,11 @@ class WorkerGroup:
             listener.close()
             raise
         self._replies = Replies(self._conns)
+        # Workers dropped without close() (a setup cell run again, a script's end) end too:
+        # the finalizer holds what it closes, never this object.
+        self._finalizer = weakref.finalize(
+            self, _shut, run, self._replies, self._conns, listener, 10.0
+        )
 
     def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
         """What shows one call's output and events, in the calling cell: rank-labelled text
@@ -324,14 +322,28 @@ class WorkerGroup:
 
     def _end(self, why: str) -> None:
         run, self._run = self._run, None
-        if run is None:
-            return
-        self._replies.close()
-        for conn in self._conns.values():
-            conn.close()
-        if run.state is RunState.RUNNING:
-            run.stop()
-        self._listener.close()
+        if run is not None:
+            self._finalizer.detach()
+            _shut(run, self._replies, self._conns, self._listener, wait=None)
+
+
+def _shut(
+    run: Run,
+    replies: Replies,
+    conns: Mapping[int, socket.socket],
+    listener: socket.socket,
+    wait: float | None,
+) -> None:
+    """End the workers: their connections close, so each leaves its serve loop and exits;
+    a run still going ``wait`` seconds later (or at once, with None) is stopped."""
+    replies.close()
+    for conn in conns.values():
+        conn.close()
+    try:
+        run.wait(wait if wait is not None else 0.0)
+    except TimeoutError:
+        run.stop()
+    listener.close()
 
 
 def _errors(replies: Mapping[int, dict[str, Any]]) -> list[dict[str, Any]]:
