@@ -22,8 +22,8 @@ from nbaccel.ui.choose import wants_widgets
 class Workers(WorkerGroup):
     """Persistent workers: ``run`` functions and cells on every rank, keeping their state.
 
-    Takes what ``nbaccel.launch`` takes but the function (``hosts=``, ``detach=``,
-    ``max_restarts=`` and ``num_machines=`` are refused for now); ``dashboard`` as in
+    Takes what ``nbaccel.launch`` takes but the function, ``hosts=`` included (``detach=``,
+    ``max_restarts=`` and ``num_machines=`` are refused); ``dashboard`` as in
     ``launch``: a dashboard per call in a kernel ("auto"), or text. torch.distributed is
     initialised on every rank, each on its device. See docs/interactive.md.
 

@@ -224,6 +224,8 @@ def test_workers_end_when_their_kernel_dies_and_it_stays_torch_free(tmp_path: Pa
         kernel.wait(30)
 
 
-def test_refused_settings_fail_before_anything_starts() -> None:
-    with pytest.raises(nbaccel.ConfigError, match=r"hosts= is not supported by nbaccel\.Workers"):
-        nbaccel.Workers(num_processes=2, hosts=["a", "b"])
+def test_refused_settings_fail_before_anything_starts(runs_dir: str) -> None:
+    for refused in ({"detach": True}, {"max_restarts": 1}):
+        with pytest.raises(nbaccel.ConfigError, match=r"is not supported by nbaccel\.Workers"):
+            nbaccel.Workers(num_processes=2, runs_dir=runs_dir, **refused)
+    assert not Path(runs_dir).exists()  # no run was started: its folder comes first

@@ -195,7 +195,16 @@ ROOMS: dict[str, dict[str, set[str]]] = {
         "detached": {"local", "control", "planned", "run", "run_folder"},
         # Interactive workers: one long launch (api) serving commands; the worker side
         # reports errors as bootstrap does, the kernel side builds them as outcome does.
-        "interactive": {"api", "bootstrap", "control", "outcome", "printer", "pump", "run"},
+        "interactive": {
+            "api",
+            "bootstrap",
+            "control",
+            "outcome",
+            "planned",
+            "printer",
+            "pump",
+            "run",
+        },
     },
     "nbaccel.accel": {
         "nested": set(),

@@ -14,12 +14,12 @@ import queue
 import selectors
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbaccel import unpickling
 from nbaccel.events import WorkerFailed
-from nbaccel.launcher.interactive.wire import recv_frame
+from nbaccel.launcher.interactive.wire import recv_frame, send_frame
 from nbaccel.launcher.outcome.failures import Failure, build_error, choose_culprit
 
 
@@ -75,8 +75,46 @@ class Replies:
                     self._queue.put(unpickling.loads(frame))
 
 
+class Sender:
+    """Sends each command's frame to every rank on a thread of its own, so that an interrupt
+    in the kernel's main thread never cuts a frame in half. ``failure``: why the last send
+    failed (a rank's connection gone), else None. The thread ends with the process (daemon)
+    or at ``close``."""
+
+    def __init__(self, conns: Mapping[int, socket.socket]) -> None:
+        self._conns = dict(conns)
+        self._jobs: queue.SimpleQueue[tuple[bytes, threading.Event] | None] = queue.SimpleQueue()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nbaccel-send", daemon=True)
+        self._thread.start()
+
+    def send(self, frame: bytes) -> threading.Event:
+        """Queue ``frame`` for every rank; the event is set once all have it (or it failed)."""
+        done = threading.Event()
+        self._jobs.put((frame, done))
+        return done
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            frame, done = job
+            self.failure = None
+            try:
+                for conn in self._conns.values():
+                    send_frame(conn, frame)
+            except OSError as error:
+                self.failure = error
+            done.set()
+
+
 def build_cell_error(
-    replies: Sequence[dict[str, Any]], world_size: int, collective_timeout: float
+    replies: Sequence[dict[str, Any]],
+    world_size: int,
+    collective_timeout: float,
+    host_of: Callable[[int], str | None] = lambda rank: None,
 ) -> BaseException:
     """The exception of the rank that failed on its own (before those its failure caused),
     as a launch raises it. Every reply is in hand, so among ranks that failed on their own
@@ -86,4 +124,9 @@ def build_cell_error(
         report: WorkerFailed = reply["error"]
         failures.append(Failure(report.rank, report.cause, 0.0, report=report))
     culprit = choose_culprit(failures)
-    return build_error(culprit, world_size=world_size, collective_timeout=collective_timeout)
+    return build_error(
+        culprit,
+        world_size=world_size,
+        collective_timeout=collective_timeout,
+        host=host_of(culprit.rank),  # on several machines, where it ran
+    )

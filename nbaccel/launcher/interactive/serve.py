@@ -1,12 +1,13 @@
 """The worker side of interactive workers: the function their long launch runs on every rank.
 
-``serve`` connects back to the kernel (``workers.py``) over the abstract Unix socket it was
-given, says which rank it is, then runs commands until the kernel closes the socket: a
-pickled call (``workers.run``), a cell's code (``%%nbaccel``), values in (``push``) and out
-(``pull``), freeing memory. Every command runs in this rank's one namespace, so what a cell
-builds is there for the next. The reply is the value (pickled as a launch's result is) or
-the error as a launch reports one (``worker_bootstrap.error_message``), with the memory
-held after the command.
+``serve`` connects back to the kernel (``workers.py``) at the address it was given (an
+abstract Unix socket, or TCP on several machines: ``wire``), checks that the kernel holds
+the launch's secret and proves it does too, says which rank it is, then runs commands until
+the kernel closes the connection: a pickled call (``workers.run``), a cell's code
+(``%%nbaccel``), values in (``push``) and out (``pull``), freeing memory. Every command runs
+in this rank's one namespace, so what a cell builds is there for the next. The reply is the
+value (pickled as a launch's result is) or the error as a launch reports one
+(``worker_bootstrap.error_message``), with the memory held after the command.
 
 An interrupt is SIGINT to this process (the kernel asks the helper to send it): it raises
 ``KeyboardInterrupt`` only while a command runs, and the command's reply says "interrupted".
@@ -24,7 +25,6 @@ import linecache
 import os
 import pickle
 import signal
-import socket
 import sys
 import time
 import types
@@ -37,7 +37,13 @@ from nbaccel.context import active_session
 from nbaccel.launcher.bootstrap import pickling
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
 from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
-from nbaccel.launcher.interactive.wire import DONE_MARK, recv_frame, send_frame
+from nbaccel.launcher.interactive.wire import (
+    DONE_MARK,
+    connect,
+    recv_frame,
+    send_frame,
+    worker_handshake,
+)
 
 
 class _Interrupts:
@@ -56,9 +62,13 @@ def serve(address: str, token: str) -> None:
     """Run the kernel's commands on this rank until it closes the connection."""
     session = active_session()
     rank = session.context.rank if session is not None else int(os.environ.get("RANK", "0"))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(address)
-    send_frame(sock, pickle.dumps({"rank": rank, "token": token, "pid": os.getpid()}))
+    sock = connect(address)
+    if not worker_handshake(sock, token):
+        raise ConnectionError(
+            f"the kernel at {address} could not prove it started these workers; they stop."
+        )
+    sock.settimeout(None)
+    send_frame(sock, pickle.dumps({"rank": rank, "pid": os.getpid()}))
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     interrupts = _Interrupts()
     signal.signal(signal.SIGINT, interrupts)

@@ -12,6 +12,7 @@ returned value is unpickled as ``Run.result`` does (a tensor imports torch, as a
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import secrets
 import signal
@@ -22,29 +23,23 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nbaccel import unpickling
 from nbaccel.config.resolve import ConfigSource
-from nbaccel.errors import ConfigError, WorkersEnded
+from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
-from nbaccel.launcher.bootstrap.payload import cell_sources, dumps_call
-from nbaccel.launcher.control import same_user
-from nbaccel.launcher.interactive.calls import Replies, build_cell_error
+from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, dumps_call
+from nbaccel.launcher.interactive.calls import Replies, Sender, build_cell_error
+from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
 from nbaccel.launcher.interactive.relay import CellRelay
 from nbaccel.launcher.interactive.wire import (
-    ADDRESS_PREFIX,
-    recv_frame,
-    send_frame,
     serve_on_rank,
 )
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
 
-START_TIMEOUT = 300.0  # a cold start imports torch and may load CUDA: minutes on a slow disk
 INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the group is ended
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
-_REFUSED = ("hosts", "detach", "max_restarts", "num_machines")
 # The last Workers made in this process, weakly: where ``%%nbaccel`` without a name runs.
 _last_made: weakref.ref[WorkerGroup] | None = None
 
@@ -65,13 +60,6 @@ class WorkerGroup:
         config: ConfigSource = None,
         **overrides: Any,
     ) -> None:
-        for key in _REFUSED:
-            if overrides.get(key):
-                raise ConfigError(
-                    f"{key}= is not supported by nbaccel.Workers yet (interactive workers run "
-                    "on this machine, attached to this kernel). Use nbaccel.launch for it.",
-                    field=key,
-                )
         self._num_processes = num_processes
         self._config = config
         self._overrides = dict(overrides)
@@ -139,7 +127,7 @@ class WorkerGroup:
         run, self._run = self._run, None
         if run is not None:
             self._finalizer.detach()
-            _shut(run, self._replies, self._conns, self._listener, wait=timeout)
+            _shut(run, self._replies, self._sender, self._conns, self._listener, timeout)
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -153,36 +141,37 @@ class WorkerGroup:
 
     # ----- start and calls ----------------------------------------------------------
     def _start(self) -> None:
-        token = secrets.token_hex(16)
-        address = ADDRESS_PREFIX + token
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(address)
-        listener.listen()
-        self._listener = listener
+        # Planned first with a stand-in address: where the workers run decides where the
+        # kernel listens (here, or facing the hosts), and so the serve loop's arguments.
+        planned = api.plan(
+            serve_on_rank, ("", ""), self._num_processes, None, self._config, self._overrides
+        )
+        config = planned.resolved.config
+        refuse_unsupported(config)
+        token = secrets.token_hex(32)
+        listener, address = listen(planned, token)
+        payload = build_payload(serve_on_rank, (address, token), {}, config)
         self._relay = CellRelay()
+        self._run = None
         try:
-            run = api.start(
-                serve_on_rank,
-                (address, token),
-                self._num_processes,
-                None,
-                self._config,
-                self._overrides,
-                show=self._subscribe_relay,
+            run = api.start_plan(
+                dataclasses.replace(planned, payload=payload), show=self._subscribe_relay
             )
             self._run = run
-            self._conns, self._pids = _accept_ranks(listener, run, token)
+            self._conns, self._pids = accept_ranks(listener, run, token)
         except BaseException:
             if self._run is not None:
                 self._run.stop()
                 self._run = None
             listener.close()
             raise
+        self._listener = listener
         self._replies = Replies(self._conns)
+        self._sender = Sender(self._conns)
         # Workers dropped without close() (a setup cell run again, a script's end) end too:
         # the finalizer holds what it closes, never this object.
         self._finalizer = weakref.finalize(
-            self, _shut, run, self._replies, self._conns, listener, 10.0
+            self, _shut, run, self._replies, self._sender, self._conns, listener, 10.0
         )
 
     def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
@@ -228,20 +217,27 @@ class WorkerGroup:
         display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
         error: BaseException | None = None
         try:
-            try:
-                for conn in self._conns.values():
-                    send_frame(conn, frame)
-            except BaseException as failed:  # a frame cut short: the stream has lost its place
-                self._end(f"sending a command to the workers failed ({failed!r})")
-                raise
-            replies = self._wait(run)
+            interrupted = False
+            sent = self._sender.send(frame)  # on its own thread: an interrupt cannot cut it
+            while True:
+                try:
+                    if sent.wait(0.25):
+                        break
+                except KeyboardInterrupt:
+                    interrupted = True  # once every rank has the command
+            if self._sender.failure is not None:
+                failure = self._sender.failure
+                raise self._ended(run, f"sending a command to the workers failed ({failure!r})")
+            replies = self._wait(run, interrupted)
             visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
             ranks = visible if visible is not None else run.ranks
             self._relay.wait_output(seq, ranks, OUTPUT_GRACE)
             self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
             errors = _errors(replies)
             if errors:
-                raise build_cell_error(errors, run.world_size, run.config.collective_timeout)
+                raise build_cell_error(
+                    errors, run.world_size, run.config.collective_timeout, run.host_of
+                )
             if any(r["status"] == "interrupted" for r in replies.values()):
                 raise KeyboardInterrupt
             return {rank: pickle.loads(r["value"]) for rank, r in sorted(replies.items())}
@@ -255,33 +251,49 @@ class WorkerGroup:
             display(RunEnded(state, error, time.time() - started, time.time()))
             self._relay.target = self._idle
 
-    def _wait(self, run: Run) -> dict[int, dict[str, Any]]:
-        """Every rank's reply. An interrupt gets every rank SIGINT at once; one rank's error
-        gets the ranks still busy SIGINT after ``INTERRUPT_GRACE`` (they may be waiting for
-        it in a collective). A rank still busy ``INTERRUPT_GRACE`` after SIGINT (stuck in a
-        collective or in C code) ends the group; a second interrupt ends it at once."""
+    def _wait(self, run: Run, interrupted: bool) -> dict[int, dict[str, Any]]:
+        """Every rank's reply. An interrupt (here, or while the command was being sent) gets
+        the ranks SIGINT at once; one rank's error gets the ranks still busy SIGINT after
+        ``INTERRUPT_GRACE`` (they may be waiting for it in a collective). SIGINT goes again
+        each second to the ranks still busy (one that started the command after the first
+        took nothing; a rank takes one interrupt per command). A rank still busy
+        ``INTERRUPT_GRACE`` after the first SIGINT (stuck in a collective or in C code)
+        ends the group; a second interrupt here ends it at once."""
         replies: dict[int, dict[str, Any]] = {}
         deadline: float | None = None  # when the ranks still busy get SIGINT, or are given up
-        signalled = False
+        signalled_at: float | None = None
         reason = ""
         while len(replies) < len(self._conns):
             try:
+                if interrupted:
+                    interrupted = False
+                    raise KeyboardInterrupt
                 self._take_reply(run, replies)
                 if deadline is None and _errors(replies):
                     deadline = time.monotonic() + INTERRUPT_GRACE
                     reason = f"rank {_errors(replies)[0]['rank']} failed"
-                if deadline is not None and time.monotonic() > deadline and not signalled:
-                    run.signal_workers(signal.SIGINT)
-                    signalled, deadline = True, time.monotonic() + INTERRUPT_GRACE
-                elif deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if signalled_at is None and deadline is not None and now > deadline:
+                    signalled_at, deadline = now, now + INTERRUPT_GRACE
+                    self._interrupt(run, replies)
+                elif signalled_at is not None and deadline is not None and now > deadline:
                     raise self._stuck(run, replies, reason)
+                elif signalled_at is not None and now > signalled_at + 1.0:
+                    signalled_at = now
+                    self._interrupt(run, replies)
             except KeyboardInterrupt:
-                if signalled and reason == "the interrupt":
+                if reason == "the interrupt":
                     raise self._stuck(run, replies, "a second interrupt") from None
-                run.signal_workers(signal.SIGINT)
-                signalled, reason = True, "the interrupt"
-                deadline = time.monotonic() + INTERRUPT_GRACE
+                reason = "the interrupt"
+                signalled_at = time.monotonic()
+                deadline = signalled_at + INTERRUPT_GRACE
+                self._interrupt(run, replies)
         return replies
+
+    def _interrupt(self, run: Run, replies: Mapping[int, Any]) -> None:
+        busy = sorted(set(self._conns) - set(replies))
+        if busy:
+            run.signal_workers(signal.SIGINT, busy)
 
     def _take_reply(self, run: Run, replies: dict[int, dict[str, Any]]) -> None:
         reply = self._replies.next(0.25)
@@ -303,7 +315,7 @@ class WorkerGroup:
         failed = _errors(replies)
         if failed:
             timeout = run.config.collective_timeout
-            error.__cause__ = build_cell_error(failed, run.world_size, timeout)
+            error.__cause__ = build_cell_error(failed, run.world_size, timeout, run.host_of)
         return error
 
     def _ended(self, run: Run, what: str) -> BaseException:
@@ -324,12 +336,13 @@ class WorkerGroup:
         run, self._run = self._run, None
         if run is not None:
             self._finalizer.detach()
-            _shut(run, self._replies, self._conns, self._listener, wait=None)
+            _shut(run, self._replies, self._sender, self._conns, self._listener, None)
 
 
 def _shut(
     run: Run,
     replies: Replies,
+    sender: Sender,
     conns: Mapping[int, socket.socket],
     listener: socket.socket,
     wait: float | None,
@@ -337,6 +350,7 @@ def _shut(
     """End the workers: their connections close, so each leaves its serve loop and exits;
     a run still going ``wait`` seconds later (or at once, with None) is stopped."""
     replies.close()
+    sender.close()
     for conn in conns.values():
         conn.close()
     try:
@@ -348,41 +362,3 @@ def _shut(
 
 def _errors(replies: Mapping[int, dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in replies.values() if r["status"] == "error"]
-
-
-def _accept_ranks(
-    listener: socket.socket, run: Run, token: str
-) -> tuple[dict[int, socket.socket], dict[int, int]]:
-    """Each rank's connection, checked (this user, the launch's token), by rank."""
-    conns: dict[int, socket.socket] = {}
-    pids: dict[int, int] = {}
-    deadline = time.monotonic() + START_TIMEOUT
-    listener.settimeout(0.25)
-    try:
-        while len(conns) < run.world_size:
-            if run.state.done:
-                run.result()  # raises the run's error (a rank that failed to start)
-                raise WorkersEnded("the workers ended before they all connected.")
-            if time.monotonic() > deadline:
-                raise WorkersEnded(
-                    f"only {len(conns)} of {run.world_size} workers connected within "
-                    f"{START_TIMEOUT:g} s; see their logs in {run.run_dir}."
-                )
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(10)
-            hello = recv_frame(conn) if same_user(conn) else None
-            message = unpickling.loads(hello) if hello is not None else {}
-            if message.get("token") != token:
-                conn.close()  # not one of ours: another user, or a stranger
-                continue
-            conn.settimeout(None)
-            conns[message["rank"]] = conn
-            pids[message["rank"]] = message["pid"]
-    except BaseException:
-        for conn in conns.values():
-            conn.close()
-        raise
-    return conns, pids
