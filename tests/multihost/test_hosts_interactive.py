@@ -8,9 +8,12 @@ The hosts are 127.0.0.2 and 127.0.0.3 of this machine, behind a real sshd (conft
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +27,7 @@ from nbaccel.launcher.interactive import workers as workers_module
 from nbaccel.launcher.interactive.connect import accept_ranks
 from nbaccel.launcher.interactive.wire import connect, recv_frame, send_frame
 from tests.multihost.conftest import SshHosts
-from tests.multihost.test_hosts_launch import on_hosts
+from tests.multihost.test_hosts_launch import GONE_WITHIN_S, on_hosts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -97,3 +100,37 @@ def test_a_peer_without_the_secret_is_refused(
         thread.join(10)
         listener.close()
     assert heard == [None]
+
+
+KERNEL = """
+import json, sys, nbaccel
+workers = nbaccel.Workers(num_processes=4, dashboard="text", **json.loads(sys.argv[1]))
+print("PIDS", *workers.pids.values(), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_kernel_that_dies_takes_its_workers_on_every_host(
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
+    settings = json.dumps(on_hosts(ssh_hosts, tmp_path))
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL, settings],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parents[2],
+        text=True,
+    )
+    try:
+        assert kernel.stdout is not None
+        line = next(line for line in kernel.stdout if line.startswith("PIDS "))
+        workers = [psutil.Process(int(pid)) for pid in line.split()[1:]]
+        assert len(workers) == 4
+        kernel.send_signal(signal.SIGKILL)  # no clean-up of its own
+        kernel.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, GONE_WITHIN_S)
+        assert not alive, f"left running on the hosts after the kernel died: {alive}"
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait(timeout=30)

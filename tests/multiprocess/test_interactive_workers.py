@@ -77,6 +77,20 @@ def test_push_and_pull_move_values_in_and_out(workers: nbaccel.Workers) -> None:
     assert [t.tolist() for t in tensors.values()] == [[0, 1, 2], [0, 1, 2]]
 
 
+def test_free_memory_collects_garbage_and_reports_memory(workers: nbaccel.Workers) -> None:
+    cell = (
+        "import builtins\nbuiltins.collected = False\n"
+        "class Cycle:\n    def __del__(self):\n        builtins.collected = True\n"
+        "c = Cycle()\nc.me = c\ndel c\n"  # only the cycle collector frees it
+    )
+    workers.run_cell("import gc\ngc.disable()\n" + cell, "<cycle>")
+    assert workers.run_cell("collected", "<c>") == {0: "False", 1: "False"}
+    memory = workers.free_memory()
+    assert workers.run_cell("collected", "<c>") == {0: "True", 1: "True"}
+    assert sorted(memory) == [0, 1] and all(m["rss"] > 10 << 20 for m in memory.values())
+    workers.run_cell("gc.enable()", "<c>")
+
+
 def test_a_failing_rank_is_named_and_the_workers_stay_usable(workers: nbaccel.Workers) -> None:
     pids = workers.pids
     code = "import torch.distributed as dist\nif dist.get_rank() == 1:\n"
