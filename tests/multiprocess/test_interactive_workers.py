@@ -4,6 +4,7 @@ their state between calls, fail and get interrupted without being lost, and leav
 from __future__ import annotations
 
 import gc
+import linecache
 import os
 import signal
 import subprocess
@@ -11,8 +12,9 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -118,6 +120,26 @@ def test_a_rank_left_in_a_collective_ends_the_group_and_says_restart(
         workers.run(rank_and_pid)
     workers.restart()
     assert sorted(workers.run(rank_and_pid)) == [0, 1]
+
+
+def cell_function(source: str, filename: str) -> Callable[[], None]:
+    """A function defined as a notebook cell defines it: its lines only in linecache."""
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["fails"]  # type: ignore[no-any-return]
+
+
+def test_a_cell_functions_lines_show_in_the_error_also_after_restart(
+    workers: nbaccel.Workers,
+) -> None:
+    fails = cell_function("def fails():\n    raise OSError('from the cell')\n", "<cell 42>")
+    for _ in range(2):  # a restarted group is sent the cell's lines again
+        with pytest.raises(OSError, match=r"\[rank 0\] from the cell") as raised:
+            workers.run(fails)
+        assert "raise OSError('from the cell')" in str(raised.value.__cause__)
+        workers.restart()
 
 
 def test_restart_starts_afresh_with_the_same_config(workers: nbaccel.Workers) -> None:

@@ -1,13 +1,14 @@
 """``WorkerGroup``: a process group that keeps its state between cells (parent side; the
-public ``nbaccel.Workers`` adds the per-call dashboard above the launcher, ``nbaccel.interactive``).
+public ``nbaccel.Workers``, in ``nbaccel/interactive.py``, adds a dashboard per call).
 
-It is one long launch (``api.start``) whose function is ``serve.serve``: every rank connects
-back over an abstract Unix socket, checked to be this user's (``control.same_user``) and to
-know the launch's secret token, and then runs the commands sent to it. Output and events
-keep flowing through the run's pipes and pump; ``relay.CellRelay`` hands them to the call in
-progress. A reader thread reads every reply, so an interrupt in the kernel's main thread
-never cuts a frame in half. Torch-free: replies are read with ``unpickling.loads``; only a
-returned value is unpickled as ``Run.result`` does (a tensor imports torch, as asked).
+It is one long launch (``api.start_plan``) whose function is ``serve.serve``: every rank
+connects back (``connect.py``: an abstract Unix socket here, TCP with ``hosts=``; each peer
+checked before anything of it is read) and then runs the commands sent to it. Output and
+events keep flowing through the run's pipes and pump; ``relay.CellRelay`` hands them to the
+call in progress. Threads of their own send the commands and read the replies
+(``calls.py``), so an interrupt in the kernel's main thread never cuts a frame in half.
+Torch-free: replies are read with ``unpickling.loads``; only a returned value is unpickled
+as ``Run.result`` does (a tensor imports torch, as asked).
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, dump
 from nbaccel.launcher.interactive.calls import Replies, Sender, build_cell_error
 from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
 from nbaccel.launcher.interactive.relay import CellRelay
-from nbaccel.launcher.interactive.wire import (
-    serve_on_rank,
-)
+from nbaccel.launcher.interactive.wire import serve_on_rank
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
@@ -64,7 +63,6 @@ class WorkerGroup:
         self._config = config
         self._overrides = dict(overrides)
         self._seq = 0
-        self._sent_sources: set[str] = set()
         self.memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
         self._run: Run | None = None
         self._start()
@@ -151,6 +149,8 @@ class WorkerGroup:
         token = secrets.token_hex(32)
         listener, address = listen(planned, token)
         payload = build_payload(serve_on_rank, (address, token), {}, config)
+        # The payload carries the cells' source lines known now; each call sends newer ones.
+        self._sent_sources = set(cell_sources())
         self._relay = CellRelay()
         self._run = None
         try:
