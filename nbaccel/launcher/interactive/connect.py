@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from nbaccel import unpickling
-from nbaccel.config.schema import Config
 from nbaccel.errors import ConfigError, WorkersEnded
 from nbaccel.launcher.control import same_user
 from nbaccel.launcher.interactive.wire import (
@@ -29,7 +28,16 @@ from nbaccel.launcher.run import Run
 START_TIMEOUT = 300.0  # a cold start imports torch and may load CUDA: minutes on a slow disk
 
 
-def refuse_unsupported(config: Config) -> None:
+def refuse_unsupported(planned: Planned) -> None:
+    """What interactive workers do not serve, refused before anything starts."""
+    config = planned.resolved.config
+    if planned.xla is not None:
+        raise ConfigError(
+            "nbaccel.Workers does not run on torch_xla yet (its ranks can be threads of one "
+            "process, which an interrupt cannot reach one by one). Use nbaccel.launch on TPU, "
+            "or use_cpu=True for CPU workers.",
+            field="strategy",
+        )
     for key, value in (
         ("detach", config.detach),
         ("max_restarts", config.max_restarts),

@@ -144,8 +144,8 @@ class WorkerGroup:
         planned = api.plan(
             serve_on_rank, ("", ""), self._num_processes, None, self._config, self._overrides
         )
+        refuse_unsupported(planned)
         config = planned.resolved.config
-        refuse_unsupported(config)
         token = secrets.token_hex(32)
         listener, address = listen(planned, token)
         payload = build_payload(serve_on_rank, (address, token), {}, config)
