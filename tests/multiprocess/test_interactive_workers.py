@@ -142,6 +142,17 @@ def test_a_cell_functions_lines_show_in_the_error_also_after_restart(
         workers.restart()
 
 
+def test_a_rank_that_dies_ends_the_group_and_says_why(workers: nbaccel.Workers) -> None:
+    pids = workers.pids
+    code = "import os, torch.distributed as dist\nif dist.get_rank() == 1:\n    os._exit(3)\n"
+    with pytest.raises(nbaccel.WorkersEnded, match=r"rank 1 exited with code 3.*restart\(\)"):
+        workers.run_cell(code + "print('before the barrier')\ndist.barrier()\n", "<dies>")
+    assert "before the barrier" in workers.logs(0)  # the ended group's logs stay readable
+    wait_for(lambda: gone(pids), 30, "the rest of the group to end")
+    workers.restart()
+    assert sorted(workers.run(rank_and_pid)) == [0, 1]
+
+
 def test_restart_starts_afresh_with_the_same_config(workers: nbaccel.Workers) -> None:
     before = workers.pids
     workers.push(kept=1)

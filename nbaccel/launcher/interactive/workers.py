@@ -22,6 +22,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from nbaccel.config.resolve import ConfigSource
@@ -39,6 +40,7 @@ from nbaccel.launcher.run import Run
 
 INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the group is ended
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
+ENDED_GRACE = 10.0  # how long a run that lost a rank gets to say why and end the others
 # The last Workers made in this process, weakly: where ``%%nbaccel`` without a name runs.
 _last_made: weakref.ref[WorkerGroup] | None = None
 
@@ -78,6 +80,15 @@ class WorkerGroup:
     def pids(self) -> dict[int, int]:
         """{rank: pid} of the live workers."""
         return dict(self._pids)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder of the current (or last) workers: config, each rank's log."""
+        return self._last_run.run_dir
+
+    def logs(self, rank: int = 0) -> str:
+        """Everything ``rank`` printed since these workers started (also once they ended)."""
+        return self._last_run.logs(rank)
 
     @property
     def alive(self) -> bool:
@@ -157,7 +168,7 @@ class WorkerGroup:
             run = api.start_plan(
                 dataclasses.replace(planned, payload=payload), show=self._subscribe_relay
             )
-            self._run = run
+            self._run = self._last_run = run
             self._conns, self._pids = accept_ranks(listener, run, token)
         except BaseException:
             if self._run is not None:
@@ -319,15 +330,18 @@ class WorkerGroup:
         return error
 
     def _ended(self, run: Run, what: str) -> BaseException:
-        self._end(what)
+        """The group lost a rank: the run first records why (its exit code or signal, as a
+        launch names it, and stops the others), then whatever is left is stopped."""
         try:
-            run.wait(10)
+            run.wait(ENDED_GRACE)
         except TimeoutError:
             pass
+        self._end(what)
         cause = run.error
+        why = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause) else ""
         error = WorkersEnded(
-            f"{what}: the workers are gone ({run.state.value}). Start them again with "
-            "workers.restart() (their namespaces start empty)."
+            f"{what}{why}: the workers are gone. Start them again with workers.restart() "
+            "(their namespaces start empty)."
         )
         error.__cause__ = cause
         return error
