@@ -185,6 +185,31 @@ def test_an_interrupt_stops_the_code_not_the_workers(
     assert workers.run(rank_and_pid) == {rank: (rank, pid) for rank, pid in pids.items()}
 
 
+def test_a_persistent_dataloader_outlives_an_interrupt(
+    workers: nbaccel.Workers, tmp_path: Path
+) -> None:
+    workers.run_cell(
+        "from torch.utils.data import DataLoader\n"
+        "loader = DataLoader(list(range(1000)), num_workers=1, persistent_workers=True)\n"
+        "batches = iter(loader)\nfirst = next(batches).item()\n",
+        "<loader>",
+    )
+    started = tmp_path / "started"
+    code = f"import time, pathlib\npathlib.Path({str(started)!r}).touch()\ntime.sleep(600)\n"
+
+    def interrupt_when_started() -> None:
+        wait_for(started.exists, 60, "the cell to start")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt_when_started)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        workers.run_cell(code, "<long cell>")
+    thread.join()
+    # The DataLoader's worker took no interrupt: the same iterator goes on.
+    assert workers.run_cell("next(batches).item()", "<next>") == {0: "1", 1: "1"}
+
+
 def test_an_interrupt_that_a_rank_cannot_take_ends_the_group(
     workers: nbaccel.Workers, tmp_path: Path, short_grace: None
 ) -> None:

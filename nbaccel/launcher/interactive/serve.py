@@ -47,13 +47,17 @@ from nbaccel.launcher.interactive.wire import (
 
 
 class _Interrupts:
-    """SIGINT raises KeyboardInterrupt only while a command runs (see the module's doc)."""
+    """SIGINT raises KeyboardInterrupt only while a command runs (see the module's doc), and
+    only in this process: the interrupt reaches the rank's whole process group, and a child
+    forked during a command (a DataLoader worker) inherits this handler, which there does
+    nothing, so persistent DataLoader workers outlive an interrupt."""
 
     def __init__(self) -> None:
         self.running = False
+        self._pid = os.getpid()
 
     def __call__(self, signum: int, frame: types.FrameType | None) -> None:
-        if self.running:
+        if self.running and os.getpid() == self._pid:
             self.running = False  # one KeyboardInterrupt per command, as in a kernel
             raise KeyboardInterrupt
 
