@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from nbaccel.config.resolve import ConfigSource
+from nbaccel.events import Event
 from nbaccel.launcher.interactive.workers import WorkerGroup
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
@@ -60,6 +61,13 @@ class Workers(WorkerGroup):
         from nbaccel.ui.attach import attach_dashboard  # ipywidgets, matplotlib: only now
 
         shown = sorted(show_ranks) if show_ranks else None
-        return attach_dashboard(
-            run, blocking=True, gpus=gpus, subscribe=False, rank=shown[0] if shown else None
+        parts: list[Subscriber] = []  # the dashboard, and on several machines its memory
+        attach_dashboard(
+            run, blocking=True, gpus=gpus, subscribe=parts.append, rank=shown[0] if shown else None
         )
+
+        def to_every_part(event: Event) -> None:
+            for part in parts:
+                part(event)
+
+        return to_every_part

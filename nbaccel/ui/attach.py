@@ -35,16 +35,18 @@ def attach_dashboard(
     blocking: bool,
     gpus: int,
     show: bool = True,
-    subscribe: bool = True,
+    subscribe: Callable[[Callable[[Event], None]], None] | None = None,
     rank: int | None = None,
 ) -> Dashboard:
     """Build a run's dashboard, subscribe it to the run, and show it in the calling cell.
 
     Its threads start with the run. ``gpus``: the GPUs the run uses (0 on CPU). Find the
-    dashboard again with ``dashboard_for(run)``. ``subscribe=False``: the caller hands it
-    the events (interactive workers: a dashboard per call of one long run, from its
-    ``RunStarted`` to its ``RunEnded``). ``rank``: the rank shown first.
+    dashboard again with ``dashboard_for(run)``. ``subscribe``: what subscribes the
+    dashboard's parts instead of ``run.subscribe`` (interactive workers: a dashboard per call
+    of one long run, fed from its ``RunStarted`` to its ``RunEnded``). ``rank``: the rank
+    shown first.
     """
+    add = subscribe if subscribe is not None else run.subscribe
     # Closures hold the run weakly: the registry's value must not keep its key alive.
     ref = weakref.ref(run)
     shown = run.shown_ranks()
@@ -60,8 +62,8 @@ def attach_dashboard(
     )
     # The sampler's callback finds the dashboard when it first runs (after the run starts).
     sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))
-    if isinstance(source, ReportedMemory) and subscribe:
-        run.subscribe(_reports_to(source, sampler))
+    if isinstance(source, ReportedMemory):
+        add(_reports_to(source, sampler))
     dashboard = Dashboard(
         DashboardModel.for_config(run.config, run.world_size, run.ranks),
         stop=None if blocking else lambda: _request_stop(ref),
@@ -70,8 +72,7 @@ def attach_dashboard(
         sampler=sampler,
     )
     _dashboards[run] = dashboard
-    if subscribe:
-        run.subscribe(dashboard)
+    add(dashboard)
     if show and in_kernel():  # outside a kernel there is no frontend to show it in
         _SHOWN.add(dashboard, _cell_key())
         dashboard.show()
