@@ -122,13 +122,13 @@ def test_a_rank_left_in_a_collective_ends_the_group_and_says_restart(
     assert sorted(workers.run(rank_and_pid)) == [0, 1]
 
 
-def cell_function(source: str, filename: str) -> Callable[[], None]:
+def cell_function(source: str, filename: str, name: str = "fails") -> Callable[[], Any]:
     """A function defined as a notebook cell defines it: its lines only in linecache."""
     lines = source.splitlines(keepends=True)
     linecache.cache[filename] = (len(source), None, lines, filename)
     namespace: dict[str, Any] = {"__name__": "__main__"}
     exec(compile(source, filename, "exec"), namespace)
-    return namespace["fails"]  # type: ignore[no-any-return]
+    return namespace[name]  # type: ignore[no-any-return]
 
 
 def test_a_cell_functions_lines_show_in_the_error_also_after_restart(
@@ -151,6 +151,17 @@ def test_a_rank_that_dies_ends_the_group_and_says_why(workers: nbaccel.Workers) 
     wait_for(lambda: gone(pids), 30, "the rest of the group to end")
     workers.restart()
     assert sorted(workers.run(rank_and_pid)) == [0, 1]
+
+
+def test_a_cell_function_run_on_the_workers_sees_their_namespace(
+    workers: nbaccel.Workers,
+) -> None:
+    workers.run_cell("import torch\nmodel = torch.nn.Linear(3, 1)\nscale = 2", "<build>")
+    source = "scale = 1000\ndef evaluate():\n    return model.in_features * scale\n"
+    evaluate = cell_function(
+        source, "<cell 7>", "evaluate"
+    )  # the kernel has no model; its scale differs
+    assert workers.run(evaluate) == {0: 6, 1: 6}  # the ranks' model and scale
 
 
 def test_restart_starts_afresh_with_the_same_config(workers: nbaccel.Workers) -> None:

@@ -116,7 +116,31 @@ def _execute(
 
 def _run(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
     function, args, kwargs = pickle.loads(command["call"])
-    return function(*args, **kwargs)
+    return in_namespace(function, namespace)(*args, **kwargs)
+
+
+def in_namespace(function: Any, namespace: dict[str, Any]) -> Any:
+    """A function defined in the kernel's ``__main__`` (a cell's, sent by value) runs with
+    this rank's namespace as its globals, as a ``%%nbaccel`` cell does (ipyparallel's rule
+    for interactive functions): ``workers.run(evaluate)`` finds the model a cell built. The
+    globals it took from the kernel fill in only the names the rank lacks. Functions of an
+    importable module keep their own.
+
+    >>> namespace = {"scale": 10}
+    >>> exec("def f(x):\\n    return x * scale", kernel := {"__name__": "__main__", "scale": 1})
+    >>> in_namespace(kernel["f"], namespace)(2), in_namespace(len, namespace)("ab")
+    (20, 2)
+    """
+    if not isinstance(function, types.FunctionType) or function.__module__ != "__main__":
+        return function
+    for name, value in function.__globals__.items():
+        namespace.setdefault(name, value)
+    rebound = types.FunctionType(
+        function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    return rebound
 
 
 def _exec(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
