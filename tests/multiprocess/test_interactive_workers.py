@@ -158,9 +158,8 @@ def test_a_cell_function_run_on_the_workers_sees_their_namespace(
 ) -> None:
     workers.run_cell("import torch\nmodel = torch.nn.Linear(3, 1)\nscale = 2", "<build>")
     source = "scale = 1000\ndef evaluate():\n    return model.in_features * scale\n"
-    evaluate = cell_function(
-        source, "<cell 7>", "evaluate"
-    )  # the kernel has no model; its scale differs
+    # The kernel has no model, and its scale differs.
+    evaluate = cell_function(source, "<cell 7>", "evaluate")
     assert workers.run(evaluate) == {0: 6, 1: 6}  # the ranks' model and scale
 
 
