@@ -22,6 +22,7 @@ from nbaccel.errors import (
     RunCancelled,
     SerializationError,
     WorkerError,
+    WorkersEnded,
 )
 from nbaccel.launcher.prewarm import prewarm as _prewarm
 from nbaccel.ui.kernel import in_kernel as _in_kernel
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.context import ProcessContext, active_session
     from nbaccel.detached_runs import attach, runs
     from nbaccel.events import RunState
+    from nbaccel.interactive import Workers
     from nbaccel.launcher.run import Run
     from nbaccel.launching import debug_launcher, launch, notebook_launcher
     from nbaccel.metrics import log_metrics
@@ -73,6 +75,7 @@ _LAZY = {
     "ConfigPanel": "nbaccel.ui.panel.config_panel",  # ipywidgets
     "ProcessContext": "nbaccel.context",
     "Run": "nbaccel.launcher.run",
+    "Workers": "nbaccel.interactive",
     "RunState": "nbaccel.events",
     "active_session": "nbaccel.context",
     "attach": "nbaccel.detached_runs",
@@ -112,6 +115,13 @@ _LAZY = {
     "load_checkpoint_and_dispatch": "nbaccel.accel.refusals",
     "load_checkpoint_in_model": "nbaccel.accel.refusals",
 }
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md)."""
+    from nbaccel.magic import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __getattr__(name: str) -> Any:
@@ -156,6 +166,8 @@ __all__ = [
     "RunState",
     "SerializationError",
     "WorkerError",
+    "Workers",
+    "WorkersEnded",
     "active_session",
     "attach",
     "cpu_offload",

@@ -67,6 +67,11 @@ class WorkerError(RuntimeError):
         self.exc_type = exc_type
 
 
+class WorkersEnded(RuntimeError):
+    """Interactive workers (``nbaccel.Workers``) have ended, or were ended because a rank
+    would not stop; the message says why. ``workers.restart()`` starts them again."""
+
+
 class CollectiveTimeout(WorkerError):
     """Ranks waited in a collective longer than ``collective_timeout`` seconds."""
 

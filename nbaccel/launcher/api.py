@@ -55,7 +55,11 @@ def start(
     ``detach=True`` the workers run under a supervisor of their own (``detached.py``) and
     the returned run is attached to it.
     """
-    planned = plan(function, args, num_processes, kwargs, config, overrides)
+    return start_plan(plan(function, args, num_processes, kwargs, config, overrides), show=show)
+
+
+def start_plan(planned: Planned, *, show: Display) -> Run:
+    """Start a planned launch: on several machines, detached, or here."""
     if planned.placement is not None:
         return start_on_hosts(planned, show=show)
     if planned.resolved.config.detach:

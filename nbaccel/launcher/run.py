@@ -171,6 +171,12 @@ class Run(RunPump):
             self._post({"op": "stop"})
         return self.wait(timeout)
 
+    def signal_workers(self, signum: int, ranks: list[int] | None = None) -> None:
+        """Send ``signum`` to the process group of every live worker of this run (or of
+        ``ranks``): what an interactive worker's interrupt is. Nothing once it has ended."""
+        if self._helper is not None and not self._done.is_set():
+            self._helper.signal(self.run_id, signum, ranks)
+
     def __repr__(self) -> str:
         return (
             f"<nbaccel.Run {self.run_id} {self._state.value} "

@@ -29,16 +29,28 @@ _dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictiona
 MAX_LIVE_DASHBOARDS = 8  # beyond this many, the oldest dashboards close
 
 
-def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) -> Dashboard:
+def attach_dashboard(
+    run: Run,
+    *,
+    blocking: bool,
+    gpus: int,
+    show: bool = True,
+    subscribe: Callable[[Callable[[Event], None]], None] | None = None,
+    rank: int | None = None,
+) -> Dashboard:
     """Build a run's dashboard, subscribe it to the run, and show it in the calling cell.
 
     Its threads start with the run. ``gpus``: the GPUs the run uses (0 on CPU). Find the
-    dashboard again with ``dashboard_for(run)``.
+    dashboard again with ``dashboard_for(run)``. ``subscribe``: what subscribes the
+    dashboard's parts instead of ``run.subscribe`` (interactive workers: a dashboard per call
+    of one long run, fed from its ``RunStarted`` to its ``RunEnded``). ``rank``: the rank
+    shown first.
     """
+    add = subscribe if subscribe is not None else run.subscribe
     # Closures hold the run weakly: the registry's value must not keep its key alive.
     ref = weakref.ref(run)
     shown = run.shown_ranks()
-    first = min(shown) if shown else run.ranks[0]
+    first = rank if rank is not None else (min(shown) if shown else run.ranks[0])
     source = memory_source(
         world_size=run.world_size,
         gpus=gpus,
@@ -51,7 +63,7 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
     # The sampler's callback finds the dashboard when it first runs (after the run starts).
     sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))
     if isinstance(source, ReportedMemory):
-        run.subscribe(_reports_to(source, sampler))
+        add(_reports_to(source, sampler))
     dashboard = Dashboard(
         DashboardModel.for_config(run.config, run.world_size, run.ranks),
         stop=None if blocking else lambda: _request_stop(ref),
@@ -60,7 +72,7 @@ def attach_dashboard(run: Run, *, blocking: bool, gpus: int, show: bool = True) 
         sampler=sampler,
     )
     _dashboards[run] = dashboard
-    run.subscribe(dashboard)
+    add(dashboard)
     if show and in_kernel():  # outside a kernel there is no frontend to show it in
         _SHOWN.add(dashboard, _cell_key())
         dashboard.show()

@@ -65,6 +65,7 @@ def test_notebooks_folder_has_examples() -> None:
         "05_accelerate_code_unchanged",
         "06_colab_tpu",
         "07_long_runs",
+        "08_interactive",
     }, names
 
 
@@ -581,6 +582,28 @@ def _another_notebooks_run(folder: Path) -> None:
     (run_dir / "events.jsonl").write_text(json.dumps(ended) + "\n")
 
 
+def _check_interactive(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    built = _log_lines(widgets, widgets.dashboard("build"))
+    assert any(re.match(r"built on rank 0 \(pid \d+\): \d+ parameters", x) for x in built), built
+    assert set(_memory_mib(widgets, widgets.dashboard("build"))) == {"rank 0 (cpu)", "rank 1 (cpu)"}
+    train = cells.cell(nb, "train")
+    assert cells.result(train) == "True", "the training cell ran in another process"
+    dashboard = widgets.dashboard("train")
+    assert "trained 3 epochs: loss" in "\n".join(_log_lines(widgets, dashboard))
+    assert widgets.frames(dashboard["curve"], "train"), "no loss curve while training"
+    text, png = _summary(train)
+    assert "succeeded" in text and "loss" in text and png.startswith(PNG), text
+    evaluated = float(cells.result(cells.cell(nb, "eval")))
+    train_on = cells.cell(nb, "train-on")
+    log = "\n".join(_log_lines(widgets, widgets.dashboard("train-on")))
+    assert "lr 0.003" in log, log
+    after = float(cells.result(train_on))
+    assert after < evaluated, (evaluated, after)  # training went on from where it was
+    pulled = ast.literal_eval(cells.result(cells.cell(nb, "pull")))
+    assert set(pulled) == {0, 1} and pulled[0][0] == pulled[1][0] == 6 * 14, pulled
+
+
 CONTENT_CHECKS = {
     "01_quickstart_cpu.ipynb": _check_quickstart,
     "02_config_panel.ipynb": _check_config_panel,
@@ -588,4 +611,5 @@ CONTENT_CHECKS = {
     "04_resume_from_checkpoint.ipynb": _check_resume,
     "05_accelerate_code_unchanged.ipynb": _check_accelerate,
     "07_long_runs.ipynb": _check_long_runs,
+    "08_interactive.ipynb": _check_interactive,
 }

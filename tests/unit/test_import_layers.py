@@ -33,6 +33,8 @@ ENTRY = (
     "nbaccel.demo",
     "nbaccel.utils",
     "nbaccel.logging",
+    "nbaccel.magic",
+    "nbaccel.interactive",
 )
 SIDES = ("nbaccel.launcher", "nbaccel.accel")
 BASE = (
@@ -62,6 +64,7 @@ WORKER_SIDE_LAUNCHER = (
     "nbaccel.launcher.bootstrap.script",
     "nbaccel.launcher.remote.elastic",
     "nbaccel.launcher.local.helper_main",
+    "nbaccel.launcher.interactive.serve",
 )
 # The modules behind ``nbaccel.utils`` that run in workers and import torch (the package
 # itself loads them lazily; it and nbaccel.utils.availability stay torch-free).
@@ -190,6 +193,18 @@ ROOMS: dict[str, dict[str, set[str]]] = {
             "starter",
         },
         "detached": {"local", "control", "planned", "run", "run_folder"},
+        # Interactive workers: one long launch (api) serving commands; the worker side
+        # reports errors as bootstrap does, the kernel side builds them as outcome does.
+        "interactive": {
+            "api",
+            "bootstrap",
+            "control",
+            "outcome",
+            "planned",
+            "printer",
+            "pump",
+            "run",
+        },
     },
     "nbaccel.accel": {
         "nested": set(),

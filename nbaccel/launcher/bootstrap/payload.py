@@ -32,19 +32,26 @@ def build_payload(
     config: Config,
 ) -> bytes:
     """The bytes every worker reads: function, args, kwargs, config, sys.path, cell sources."""
-    try:
-        body = pickling.dumps((function, tuple(args), dict(kwargs)))
-    except Exception as error:
-        raise SerializationError(_explain(function, args, kwargs, error)) from error
     return pickle.dumps(
         {
-            "function": body,
+            "function": dumps_call(function, args, kwargs),
             "config": config,
             "sys_path": list(sys.path),
-            "sources": _cell_sources(),
+            "sources": cell_sources(),
         },
         protocol=5,
     )
+
+
+def dumps_call(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> bytes:
+    """``(function, args, kwargs)`` pickled for the workers; SerializationError names the
+    variable that cannot travel (interactive workers send each call this way too)."""
+    try:
+        return pickling.dumps((function, tuple(args), dict(kwargs)))
+    except Exception as error:
+        raise SerializationError(_explain(function, args, kwargs, error)) from error
 
 
 def _explain(
@@ -99,7 +106,7 @@ def _global_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _cell_sources() -> dict[str, list[str]]:
+def cell_sources() -> dict[str, list[str]]:
     """Source lines that exist only in this process's linecache (Jupyter cells, exec'd code)."""
     sources: dict[str, list[str]] = {}
     total = 0

@@ -1,0 +1,73 @@
+"""``nbaccel.Workers``: interactive workers, with each call shown as a launch is.
+
+An entry point above the launcher (as ``launching.py`` is): the launcher's ``WorkerGroup``
+keeps the processes and runs the calls; this adds the display, chosen as a launch chooses
+it (``nbaccel.ui.choose``): in a Jupyter kernel with ipywidgets, every call (a
+``%%nbaccel`` cell, ``workers.run``...) gets its own dashboard in its cell (log, loss curve,
+memory with each rank's peak, step breakdown), which leaves its summary when the call ends;
+elsewhere, rank-labelled text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbaccel.config.resolve import ConfigSource
+from nbaccel.events import Event
+from nbaccel.launcher.interactive.workers import WorkerGroup
+from nbaccel.launcher.pump import Subscriber
+from nbaccel.launcher.run import Run
+from nbaccel.ui.choose import wants_widgets
+
+
+class Workers(WorkerGroup):
+    """Persistent workers: ``run`` functions and cells on every rank, keeping their state.
+
+    Takes what ``nbaccel.launch`` takes but the function, ``hosts=`` included (``detach=``,
+    ``max_restarts=`` and ``num_machines=`` are refused); ``dashboard`` as in
+    ``launch``: a dashboard per call in a kernel ("auto"), or text. torch.distributed is
+    initialised on every rank, each on its device. See docs/interactive.md.
+
+    >>> import nbaccel
+    >>> def where():
+    ...     import os, torch.distributed as dist
+    ...     return dist.get_rank(), os.getpid()
+    >>> with nbaccel.Workers(num_processes=2) as workers:
+    ...     first = workers.run(where)
+    ...     workers.push(step=3)
+    ...     same = workers.run(where) == first
+    ...     steps = workers.pull("step")
+    >>> sorted(first), same, steps
+    ([0, 1], True, {0: 3, 1: 3})
+    """
+
+    def __init__(
+        self,
+        num_processes: int | None = None,
+        *,
+        config: ConfigSource = None,
+        dashboard: str | bool = "auto",
+        **overrides: Any,
+    ) -> None:
+        from nbaccel.ui.choose import choose_display
+
+        choose_display(dashboard, blocking=True)  # a wrong choice fails before anything starts
+        self._widgets = wants_widgets(dashboard)
+        super().__init__(num_processes, config=config, **overrides)
+
+    def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
+        if not self._widgets:
+            return super()._display(run, gpus, show_ranks)
+        from nbaccel.ui.attach import attach_dashboard  # ipywidgets, matplotlib: only now
+
+        shown = sorted(show_ranks) if show_ranks else None
+        parts: list[Subscriber] = []  # the dashboard, and on several machines its memory
+        attach_dashboard(
+            run, blocking=True, gpus=gpus, subscribe=parts.append, rank=shown[0] if shown else None
+        )
+
+        def to_every_part(event: Event) -> None:
+            for part in parts:
+                part(event)
+
+        return to_every_part

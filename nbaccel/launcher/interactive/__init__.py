@@ -1,0 +1,10 @@
+"""Interactive workers: one long launch whose ranks keep their namespaces between calls.
+
+``workers.py`` (parent side, torch-free) plans and starts a launch whose function is
+``serve.serve`` (worker side: it may import torch); ``connect.py`` takes each rank's
+connection back (an abstract Unix socket, or TCP with ``hosts=``), checked with ``wire.py``'s
+handshake; ``calls.py`` sends commands and reads replies on threads of their own;
+``relay.py`` hands the run's output and events to the display of the call in progress.
+May import ``api``, ``planned``, ``run``, ``printer``, ``pump``, ``control``, ``outcome``
+and ``bootstrap`` (the worker side's error reports and the payload), and the base layer.
+"""

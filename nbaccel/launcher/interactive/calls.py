@@ -1,0 +1,132 @@
+"""The kernel's side of a call's replies: a reader thread, and the error a failed call raises.
+
+``Replies`` reads every rank's reply frames on a thread of its own: the kernel's main
+thread, where an interrupt lands, only takes whole replies from a queue. Replies are plain
+data read with ``unpickling.loads`` (the value inside stays bytes until the caller loads it).
+``build_cell_error`` turns the ranks' error reports into the exception a launch would raise
+(``outcome.failures``): the worker's type, ``[rank N]``, the remote traceback as its cause.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import selectors
+import socket
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from nbaccel import unpickling
+from nbaccel.events import WorkerFailed
+from nbaccel.launcher.interactive.wire import recv_frame, send_frame
+from nbaccel.launcher.outcome.failures import Failure, build_error, choose_culprit
+
+
+class Replies:
+    """Reads the ranks' replies into a queue until closed; a closed connection is reported
+    as ``{"rank": r, "lost": True}``."""
+
+    def __init__(self, conns: Mapping[int, socket.socket]) -> None:
+        self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        for rank, conn in conns.items():
+            self._selector.register(conn, selectors.EVENT_READ, rank)
+        self._thread = threading.Thread(target=self._read, name="nbaccel-workers", daemon=True)
+        self._thread.start()
+
+    def next(self, timeout: float) -> dict[str, Any] | None:
+        """The next reply, or None after ``timeout`` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        """Stop reading (the caller closes the connections after)."""
+        if self._wake_write == -1:
+            return
+        os.write(self._wake_write, b"x")
+        self._thread.join(timeout=10)
+        self._selector.close()
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
+        self._wake_write = -1
+
+    def _read(self) -> None:
+        watched = len(self._selector.get_map()) - 1
+        while watched:
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    return  # closed
+                rank: int = key.data
+                conn: socket.socket = key.fileobj  # type: ignore[assignment]
+                try:
+                    frame = recv_frame(conn)
+                except OSError:
+                    frame = None
+                if frame is None:
+                    self._selector.unregister(conn)
+                    watched -= 1
+                    self._queue.put({"rank": rank, "lost": True})
+                else:
+                    self._queue.put(unpickling.loads(frame))
+
+
+class Sender:
+    """Sends each command's frame to every rank on a thread of its own, so that an interrupt
+    in the kernel's main thread never cuts a frame in half. ``failure``: why the last send
+    failed (a rank's connection gone), else None. The thread ends with the process (daemon)
+    or at ``close``."""
+
+    def __init__(self, conns: Mapping[int, socket.socket]) -> None:
+        self._conns = dict(conns)
+        self._jobs: queue.SimpleQueue[tuple[bytes, threading.Event] | None] = queue.SimpleQueue()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="nbaccel-send", daemon=True)
+        self._thread.start()
+
+    def send(self, frame: bytes) -> threading.Event:
+        """Queue ``frame`` for every rank; the event is set once all have it (or it failed)."""
+        done = threading.Event()
+        self._jobs.put((frame, done))
+        return done
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            frame, done = job
+            self.failure = None
+            try:
+                for conn in self._conns.values():
+                    send_frame(conn, frame)
+            except OSError as error:
+                self.failure = error
+            done.set()
+
+
+def build_cell_error(
+    replies: Sequence[dict[str, Any]],
+    world_size: int,
+    collective_timeout: float,
+    host_of: Callable[[int], str | None] = lambda rank: None,
+) -> BaseException:
+    """The exception of the rank that failed on its own (before those its failure caused),
+    as a launch raises it. Every reply is in hand, so among ranks that failed on their own
+    the lowest is named, not the quickest: a cell that fails everywhere names rank 0."""
+    failures = []
+    for reply in replies:
+        report: WorkerFailed = reply["error"]
+        failures.append(Failure(report.rank, report.cause, 0.0, report=report))
+    culprit = choose_culprit(failures)
+    return build_error(
+        culprit,
+        world_size=world_size,
+        collective_timeout=collective_timeout,
+        host=host_of(culprit.rank),  # on several machines, where it ran
+    )

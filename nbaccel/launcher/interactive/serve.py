@@ -1,0 +1,218 @@
+"""The worker side of interactive workers: the function their long launch runs on every rank.
+
+``serve`` connects back to the kernel (``workers.py``) at the address it was given (an
+abstract Unix socket, or TCP on several machines: ``wire``), checks that the kernel holds
+the launch's secret and proves it does too, says which rank it is, then runs commands until
+the kernel closes the connection: a pickled call (``workers.run``), a cell's code
+(``%%nbaccel``), values in (``push``) and out (``pull``), freeing memory. Every command runs
+in this rank's one namespace, so what a cell builds is there for the next. The reply is the
+value (pickled as a launch's result is) or the error as a launch reports one
+(``worker_bootstrap.error_message``), with the memory held after the command.
+
+An interrupt is SIGINT to this process (the kernel asks the helper to send it): it raises
+``KeyboardInterrupt`` only while a command runs, and the command's reply says "interrupted".
+Between commands SIGINT does nothing, so a late one cannot break the frame being read.
+After each command a marker line on stdout tells the kernel that the command's output has
+all been read (output and replies travel on different pipes).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import gc
+import linecache
+import os
+import pickle
+import signal
+import sys
+import time
+import types
+from typing import Any
+
+import psutil
+import torch
+
+from nbaccel.context import active_session
+from nbaccel.launcher.bootstrap import pickling
+from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
+from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
+from nbaccel.launcher.interactive.wire import (
+    DONE_MARK,
+    connect,
+    recv_frame,
+    send_frame,
+    worker_handshake,
+)
+
+
+class _Interrupts:
+    """SIGINT raises KeyboardInterrupt only while a command runs (see the module's doc), and
+    only in this process: the interrupt reaches the rank's whole process group, and a child
+    forked during a command (a DataLoader worker) inherits this handler, which there does
+    nothing, so persistent DataLoader workers outlive an interrupt."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self._pid = os.getpid()
+
+    def __call__(self, signum: int, frame: types.FrameType | None) -> None:
+        if self.running and os.getpid() == self._pid:
+            self.running = False  # one KeyboardInterrupt per command, as in a kernel
+            raise KeyboardInterrupt
+
+
+def serve(address: str, token: str) -> None:
+    """Run the kernel's commands on this rank until it closes the connection."""
+    session = active_session()
+    rank = session.context.rank if session is not None else int(os.environ.get("RANK", "0"))
+    sock = connect(address)
+    if not worker_handshake(sock, token):
+        raise ConnectionError(
+            f"the kernel at {address} could not prove it started these workers; they stop."
+        )
+    sock.settimeout(None)
+    send_frame(sock, pickle.dumps({"rank": rank, "pid": os.getpid()}))
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    interrupts = _Interrupts()
+    signal.signal(signal.SIGINT, interrupts)
+    try:
+        while (frame := recv_frame(sock)) is not None:
+            command = pickle.loads(frame)
+            reply = _execute(command, namespace, rank, interrupts)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            flush_c_stdio()
+            print(f"{DONE_MARK}{command['seq']}", flush=True)
+            send_frame(sock, pickle.dumps(reply, protocol=5))
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sock.close()
+
+
+def _execute(
+    command: dict[str, Any], namespace: dict[str, Any], rank: int, interrupts: _Interrupts
+) -> dict[str, Any]:
+    reply: dict[str, Any] = {"seq": command["seq"], "rank": rank, "status": "ok", "value": None}
+    started = time.monotonic()
+    try:
+        for filename, lines in command.get("sources", {}).items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        interrupts.running = True
+        try:
+            value = _OPERATIONS[command["op"]](command, namespace)
+        finally:
+            interrupts.running = False
+        reply["value"] = _dump_value(rank, value)
+    except KeyboardInterrupt:
+        reply["status"] = "interrupted"
+    except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
+        reply["status"] = "error"
+        reply["error"] = error_message(_from_user_code(error), rank)
+    reply["seconds"] = time.monotonic() - started
+    reply["memory"] = memory_now()
+    return reply
+
+
+def _run(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    function, args, kwargs = pickle.loads(command["call"])
+    return in_namespace(function, namespace)(*args, **kwargs)
+
+
+def in_namespace(function: Any, namespace: dict[str, Any]) -> Any:
+    """A function defined in the kernel's ``__main__`` (a cell's, sent by value) runs with
+    this rank's namespace as its globals, as a ``%%nbaccel`` cell does (ipyparallel's rule
+    for interactive functions): ``workers.run(evaluate)`` finds the model a cell built. The
+    globals it took from the kernel fill in only the names the rank lacks. Functions of an
+    importable module keep their own.
+
+    >>> namespace = {"scale": 10}
+    >>> exec("def f(x):\\n    return x * scale", kernel := {"__name__": "__main__", "scale": 1})
+    >>> in_namespace(kernel["f"], namespace)(2), in_namespace(len, namespace)("ab")
+    (20, 2)
+    """
+    if not isinstance(function, types.FunctionType) or function.__module__ != "__main__":
+        return function
+    for name, value in function.__globals__.items():
+        namespace.setdefault(name, value)
+    rebound = types.FunctionType(
+        function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    return rebound
+
+
+def _exec(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    """A cell's code; the value of its last line when that is an expression (its repr)."""
+    filename: str = command["filename"]
+    source: str = command["code"]
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    tree = ast.parse(source, filename, "exec")
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    assert last is None or isinstance(last, ast.Expr)
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None
+    expression = ast.Expression(last.value)
+    value = eval(compile(expression, filename, "eval"), namespace)
+    return None if value is None else repr(value)
+
+
+def _push(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    _, _, values = pickle.loads(command["values"])  # packed as a call: dict(**values)
+    namespace.update(values)
+    return None
+
+
+def _pull(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    missing = [name for name in command["names"] if name not in namespace]
+    if missing:
+        raise NameError(
+            f"{', '.join(map(repr, missing))} not defined in this rank's namespace: define it in "
+            "a %%nbaccel cell or with workers.push(name=value) first."
+        )
+    return {name: namespace[name] for name in command["names"]}
+
+
+def _free_memory(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    gc.collect()
+    if _cuda_in_use():
+        torch.cuda.empty_cache()
+    return None
+
+
+_OPERATIONS = {"run": _run, "exec": _exec, "push": _push, "pull": _pull, "free": _free_memory}
+
+
+def memory_now() -> dict[str, int]:
+    """This process's resident memory, and its CUDA device's allocated/reserved bytes."""
+    memory = {"rss": psutil.Process().memory_info().rss}
+    if _cuda_in_use():
+        memory["cuda_allocated"] = torch.cuda.memory_allocated()
+        memory["cuda_reserved"] = torch.cuda.memory_reserved()
+    return memory
+
+
+def _cuda_in_use() -> bool:
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+def _dump_value(rank: int, value: Any) -> bytes:
+    try:
+        return pickling.dumps(value)
+    except Exception as error:
+        raise TypeError(
+            f"the value on rank {rank} ({type(value).__name__}) cannot be pickled to send it "
+            f"back: {error}. Return or pull plain data (numbers, lists, dicts, tensors); keep "
+            "models and optimizers in the rank's namespace."
+        ) from error
+
+
+def _from_user_code(error: BaseException) -> BaseException:
+    """The error with this module's frames dropped from the top of its traceback."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return error.with_traceback(tb)

@@ -1,0 +1,123 @@
+"""The connection between the kernel and an interactive worker: frames and a handshake.
+
+A stream socket carries values of any size (a seqpacket message is capped), so each frame is
+an 8-byte length and that many bytes. A frame is always read and written whole by a thread
+that no signal interrupts, or the stream would lose its place (``workers.py``, ``serve.py``).
+
+On one machine the connection is an abstract Unix socket whose peer must be this user
+(``control.same_user``); on several (``hosts=``) it is TCP to the kernel's address facing
+the hosts. Either way, before anything is unpickled on either side, each side proves that it
+knows the launch's secret (sent to the workers inside the payload, over SSH): an HMAC of the
+other side's fresh nonce. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+
+_LENGTH = struct.Struct("!Q")
+ADDRESS_PREFIX = "\0nbaccel-workers-"  # abstract: no file to leave behind, checked by uid
+# The line a rank prints after each command's output (``serve``); the kernel's relay
+# swallows it and so knows that the command's output has all been shown.
+DONE_MARK = "\x1b[nbaccel-done "
+
+
+def send_frame(sock: socket.socket, data: bytes) -> None:
+    """Send one frame (blocking)."""
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """Read one whole frame; None when the other side closed (between frames or inside one).
+
+    >>> a, b = socket.socketpair()
+    >>> send_frame(a, b"hello"); a.close()
+    >>> recv_frame(b), recv_frame(b)
+    (b'hello', None)
+    """
+    head = _read_exactly(sock, _LENGTH.size)
+    if head is None:
+        return None
+    return _read_exactly(sock, _LENGTH.unpack(head)[0])
+
+
+def connect(address: str) -> socket.socket:
+    """A connection to the kernel at ``address``: ``tcp:HOST:PORT`` or an abstract name."""
+    if address.startswith("tcp:"):
+        host, port = address[4:].rsplit(":", 1)
+        return socket.create_connection((host.strip("[]"), int(port)), timeout=60)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    return sock
+
+
+def _mac(token: str, side: bytes, nonce: bytes) -> bytes:
+    return hmac.new(bytes.fromhex(token), side + nonce, hashlib.sha256).digest()
+
+
+def kernel_handshake(sock: socket.socket, token: str) -> bool:
+    """The kernel's side: whether the peer knows ``token`` (it then knows the kernel does).
+
+    >>> kernel, worker = socket.socketpair()
+    >>> import threading
+    >>> t = threading.Thread(target=lambda: print("worker:", worker_handshake(worker, "ab")))
+    >>> t.start(); print("kernel:", kernel_handshake(kernel, "ab")); t.join()
+    kernel: True
+    worker: True
+    """
+    nonce = secrets.token_bytes(32)
+    send_frame(sock, nonce)
+    answer = recv_frame(sock)
+    if answer is None or len(answer) != 64:
+        return False
+    if not hmac.compare_digest(answer[:32], _mac(token, b"worker", nonce)):
+        return False
+    send_frame(sock, _mac(token, b"kernel", answer[32:]))
+    return True
+
+
+def worker_handshake(sock: socket.socket, token: str) -> bool:
+    """The worker's side: whether the peer is the kernel that holds ``token``."""
+    challenge = recv_frame(sock)
+    if challenge is None or len(challenge) != 32:
+        return False
+    nonce = secrets.token_bytes(32)
+    send_frame(sock, _mac(token, b"worker", challenge) + nonce)
+    answer = recv_frame(sock)
+    return answer is not None and hmac.compare_digest(answer, _mac(token, b"kernel", nonce))
+
+
+def address_facing(host: str) -> str:
+    """This machine's address on the route to ``host`` (where its workers reach the kernel).
+
+    >>> address_facing("127.0.0.1")
+    '127.0.0.1'
+    """
+    family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)  # a datagram socket sends nothing: this only picks the route
+        address: str = probe.getsockname()[0]
+    return address
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def serve_on_rank(address: str, token: str) -> None:
+    """What an interactive launch runs on each rank (``serve.serve``, which imports torch):
+    named here, in a module the torch-free kernel can import, so it travels by reference."""
+    from nbaccel.launcher.interactive.serve import serve
+
+    serve(address, token)

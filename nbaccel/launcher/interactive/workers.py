@@ -1,0 +1,378 @@
+"""``WorkerGroup``: a process group that keeps its state between cells (parent side; the
+public ``nbaccel.Workers``, in ``nbaccel/interactive.py``, adds a dashboard per call).
+
+It is one long launch (``api.start_plan``) whose function is ``serve.serve``: every rank
+connects back (``connect.py``: an abstract Unix socket here, TCP with ``hosts=``; each peer
+checked before anything of it is read) and then runs the commands sent to it. Output and
+events keep flowing through the run's pipes and pump; ``relay.CellRelay`` hands them to the
+call in progress. Threads of their own send the commands and read the replies
+(``calls.py``), so an interrupt in the kernel's main thread never cuts a frame in half.
+Torch-free: replies are read with ``unpickling.loads``; only a returned value is unpickled
+as ``Run.result`` does (a tensor imports torch, as asked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import secrets
+import signal
+import socket
+import sys
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nbaccel.config.resolve import ConfigSource
+from nbaccel.errors import WorkersEnded
+from nbaccel.events import RunEnded, RunStarted, RunState
+from nbaccel.launcher import api
+from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, dumps_call
+from nbaccel.launcher.interactive.calls import Replies, Sender, build_cell_error
+from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
+from nbaccel.launcher.interactive.relay import CellRelay
+from nbaccel.launcher.interactive.wire import serve_on_rank
+from nbaccel.launcher.printer import TextPrinter
+from nbaccel.launcher.pump import Subscriber
+from nbaccel.launcher.run import Run
+
+INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the group is ended
+OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
+ENDED_GRACE = 10.0  # how long a run that lost a rank gets to say why and end the others
+# The last Workers made in this process, weakly: where ``%%nbaccel`` without a name runs.
+_last_made: weakref.ref[WorkerGroup] | None = None
+
+
+def last_workers() -> WorkerGroup | None:
+    """The last ``Workers`` made in this process, if it still exists (closed or not)."""
+    return _last_made() if _last_made is not None else None
+
+
+class WorkerGroup:
+    """The processes of ``nbaccel.Workers`` (``nbaccel/interactive.py``) and their calls;
+    shown as text here. See docs/interactive.md."""
+
+    def __init__(
+        self,
+        num_processes: int | None = None,
+        *,
+        config: ConfigSource = None,
+        **overrides: Any,
+    ) -> None:
+        self._num_processes = num_processes
+        self._config = config
+        self._overrides = dict(overrides)
+        self._seq = 0
+        self.memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
+        self._run: Run | None = None
+        self._start()
+        global _last_made
+        _last_made = weakref.ref(self)
+
+    # ----- public API -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self._live_run().world_size
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """{rank: pid} of the live workers."""
+        return dict(self._pids)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder of the current (or last) workers: config, each rank's log."""
+        return self._last_run.run_dir
+
+    def logs(self, rank: int = 0) -> str:
+        """Everything ``rank`` printed since these workers started (also once they ended)."""
+        return self._last_run.logs(rank)
+
+    @property
+    def alive(self) -> bool:
+        return self._run is not None and not self._run.state.done
+
+    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """Call ``function(*args, **kwargs)`` on every rank; ``{rank: value}``.
+
+        The function travels as ``launch`` sends it (cells' functions by value). A failing
+        rank raises its exception here, ``[rank N]`` in its message; an interrupt raises
+        ``KeyboardInterrupt`` and leaves the workers ready for the next call.
+        """
+        call = dumps_call(function, args, kwargs)
+        return self._call({"op": "run", "call": call})
+
+    def run_cell(
+        self, code: str, filename: str, show_ranks: frozenset[int] | None = None
+    ) -> dict[int, Any]:
+        """Run a cell's ``code`` in every rank's namespace (what ``%%nbaccel`` does); the
+        repr of its last expression on each rank (None when there is none). ``show_ranks``:
+        whose output is shown for this cell (default: ``log_ranks``'s; empty: all)."""
+        return self._call({"op": "exec", "code": code, "filename": filename}, show_ranks)
+
+    def push(self, **values: Any) -> None:
+        """Set ``name=value`` in every rank's namespace (the same value on each)."""
+        self._call({"op": "push", "values": dumps_call(dict, (), values)}, shown=False)
+
+    def pull(self, name: str) -> dict[int, Any]:
+        """``{rank: value}`` of ``name`` in every rank's namespace."""
+        values = self._call({"op": "pull", "names": [name]}, shown=False)
+        return {rank: found[name] for rank, found in values.items()}
+
+    def free_memory(self) -> dict[int, dict[str, int]]:
+        """Collect garbage and empty the device's cache on every rank; memory after it."""
+        self._call({"op": "free"}, shown=False)
+        return dict(self.memory)
+
+    def restart(self) -> None:
+        """End the workers and start them afresh with the same config (namespaces empty)."""
+        self.close()
+        self._start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the workers: each leaves its serve loop and exits; stopped if it will not."""
+        run, self._run = self._run, None
+        if run is not None:
+            self._finalizer.detach()
+            _shut(run, self._replies, self._sender, self._conns, self._listener, timeout)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "closed"
+        return f"<nbaccel.Workers {state} world_size={len(self._pids)} pids={self._pids}>"
+
+    # ----- start and calls ----------------------------------------------------------
+    def _start(self) -> None:
+        # Planned first with a stand-in address: where the workers run decides where the
+        # kernel listens (here, or facing the hosts), and so the serve loop's arguments.
+        planned = api.plan(
+            serve_on_rank, ("", ""), self._num_processes, None, self._config, self._overrides
+        )
+        refuse_unsupported(planned)
+        config = planned.resolved.config
+        token = secrets.token_hex(32)
+        listener, address = listen(planned, token)
+        payload = build_payload(serve_on_rank, (address, token), {}, config)
+        # The payload carries the cells' source lines known now; each call sends newer ones.
+        self._sent_sources = set(cell_sources())
+        self._relay = CellRelay()
+        self._run = None
+        try:
+            run = api.start_plan(
+                dataclasses.replace(planned, payload=payload), show=self._subscribe_relay
+            )
+            self._run = self._last_run = run
+            self._conns, self._pids = accept_ranks(listener, run, token)
+        except BaseException:
+            if self._run is not None:
+                self._run.stop()
+                self._run = None
+            listener.close()
+            raise
+        self._listener = listener
+        self._replies = Replies(self._conns)
+        self._sender = Sender(self._conns)
+        # Workers dropped without close() (a setup cell run again, a script's end) end too:
+        # the finalizer holds what it closes, never this object.
+        self._finalizer = weakref.finalize(
+            self, _shut, run, self._replies, self._sender, self._conns, listener, 10.0
+        )
+
+    def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
+        """What shows one call's output and events, in the calling cell: rank-labelled text
+        here; ``nbaccel.Workers`` shows a dashboard per call in a kernel with widgets."""
+        ranks = run.shown_ranks() if show_ranks is None else (show_ranks or None)
+        return TextPrinter(sys.stdout, ranks, announce_end=False)
+
+    def _subscribe_relay(self, run: Run, gpus: int) -> None:
+        self._gpus = gpus
+        # Between calls (a rank's thread printing), output goes out as text.
+        self._idle = TextPrinter(sys.stdout, run.shown_ranks(), announce_end=False)
+        self._relay.target = self._idle
+        run.subscribe(self._relay)
+
+    def _live_run(self) -> Run:
+        if self._run is None:
+            raise WorkersEnded(
+                "these workers were closed (workers.close(), or they ended after an error). "
+                "Start them again with workers.restart()."
+            )
+        return self._run
+
+    def _call(
+        self,
+        command: dict[str, Any],
+        show_ranks: frozenset[int] | None = None,
+        *,
+        shown: bool = True,
+    ) -> dict[int, Any]:
+        """Send ``command`` to every rank and return their values. ``shown``: the call gets
+        a display of its own (a dashboard in a kernel); push, pull and free_memory print
+        what the ranks print, as text, and nothing else."""
+        run = self._live_run()
+        self._seq += 1
+        seq = self._seq
+        new_sources = {k: v for k, v in cell_sources().items() if k not in self._sent_sources}
+        self._sent_sources |= set(new_sources)
+        frame = pickle.dumps({**command, "seq": seq, "sources": new_sources}, protocol=5)
+        display = self._display(run, self._gpus, show_ranks) if shown else self._idle
+        self._relay.target = display
+        started = time.time()
+        display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
+        error: BaseException | None = None
+        try:
+            interrupted = False
+            sent = self._sender.send(frame)  # on its own thread: an interrupt cannot cut it
+            while True:
+                try:
+                    if sent.wait(0.25):
+                        break
+                except KeyboardInterrupt:
+                    interrupted = True  # once every rank has the command
+            if self._sender.failure is not None:
+                failure = self._sender.failure
+                raise self._ended(run, f"sending a command to the workers failed ({failure!r})")
+            replies = self._wait(run, interrupted)
+            visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
+            ranks = visible if visible is not None else run.ranks
+            self._relay.wait_output(seq, ranks, OUTPUT_GRACE)
+            self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
+            errors = _errors(replies)
+            if errors:
+                raise build_cell_error(
+                    errors, run.world_size, run.config.collective_timeout, run.host_of
+                )
+            if any(r["status"] == "interrupted" for r in replies.values()):
+                raise KeyboardInterrupt
+            return {rank: pickle.loads(r["value"]) for rank, r in sorted(replies.items())}
+        except BaseException as failed:
+            error = failed
+            raise
+        finally:
+            state = RunState.SUCCEEDED if error is None else RunState.FAILED
+            if isinstance(error, KeyboardInterrupt):
+                state, error = RunState.CANCELLED, None
+            display(RunEnded(state, error, time.time() - started, time.time()))
+            self._relay.target = self._idle
+
+    def _wait(self, run: Run, interrupted: bool) -> dict[int, dict[str, Any]]:
+        """Every rank's reply. An interrupt (here, or while the command was being sent) gets
+        the ranks SIGINT at once; one rank's error gets the ranks still busy SIGINT after
+        ``INTERRUPT_GRACE`` (they may be waiting for it in a collective). SIGINT goes again
+        each second to the ranks still busy (one that started the command after the first
+        took nothing; a rank takes one interrupt per command). A rank still busy
+        ``INTERRUPT_GRACE`` after the first SIGINT (stuck in a collective or in C code)
+        ends the group; a second interrupt here ends it at once."""
+        replies: dict[int, dict[str, Any]] = {}
+        deadline: float | None = None  # when the ranks still busy get SIGINT, or are given up
+        signalled_at: float | None = None
+        reason = ""
+        while len(replies) < len(self._conns):
+            try:
+                if interrupted:
+                    interrupted = False
+                    raise KeyboardInterrupt
+                self._take_reply(run, replies)
+                if deadline is None and _errors(replies):
+                    deadline = time.monotonic() + INTERRUPT_GRACE
+                    reason = f"rank {_errors(replies)[0]['rank']} failed"
+                now = time.monotonic()
+                if signalled_at is None and deadline is not None and now > deadline:
+                    signalled_at, deadline = now, now + INTERRUPT_GRACE
+                    self._interrupt(run, replies)
+                elif signalled_at is not None and deadline is not None and now > deadline:
+                    raise self._stuck(run, replies, reason)
+                elif signalled_at is not None and now > signalled_at + 1.0:
+                    signalled_at = now
+                    self._interrupt(run, replies)
+            except KeyboardInterrupt:
+                if reason == "the interrupt":
+                    raise self._stuck(run, replies, "a second interrupt") from None
+                reason = "the interrupt"
+                signalled_at = time.monotonic()
+                deadline = signalled_at + INTERRUPT_GRACE
+                self._interrupt(run, replies)
+        return replies
+
+    def _interrupt(self, run: Run, replies: Mapping[int, Any]) -> None:
+        busy = sorted(set(self._conns) - set(replies))
+        if busy:
+            run.signal_workers(signal.SIGINT, busy)
+
+    def _take_reply(self, run: Run, replies: dict[int, dict[str, Any]]) -> None:
+        reply = self._replies.next(0.25)
+        if reply is not None and reply.get("lost"):
+            raise self._ended(run, f"rank {reply['rank']}'s connection closed")
+        if reply is not None:
+            replies[reply["rank"]] = reply
+        elif run.state.done:
+            raise self._ended(run, "the workers' run ended")
+
+    def _stuck(self, run: Run, replies: dict[int, dict[str, Any]], reason: str) -> WorkersEnded:
+        stuck = sorted(set(self._conns) - set(replies))
+        self._end("stuck ranks")
+        error = WorkersEnded(
+            f"rank(s) {', '.join(map(str, stuck))} did not stop within {INTERRUPT_GRACE:g} s "
+            f"of SIGINT after {reason} (stuck in a collective or in C code?), so the workers "
+            "were ended. Start them again with workers.restart() (their namespaces start empty)."
+        )
+        failed = _errors(replies)
+        if failed:
+            timeout = run.config.collective_timeout
+            error.__cause__ = build_cell_error(failed, run.world_size, timeout, run.host_of)
+        return error
+
+    def _ended(self, run: Run, what: str) -> BaseException:
+        """The group lost a rank: the run first records why (its exit code or signal, as a
+        launch names it, and stops the others), then whatever is left is stopped."""
+        try:
+            run.wait(ENDED_GRACE)
+        except TimeoutError:
+            pass
+        self._end(what)
+        cause = run.error
+        why = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause) else ""
+        error = WorkersEnded(
+            f"{what}{why}: the workers are gone. Start them again with workers.restart() "
+            "(their namespaces start empty)."
+        )
+        error.__cause__ = cause
+        return error
+
+    def _end(self, why: str) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            self._finalizer.detach()
+            _shut(run, self._replies, self._sender, self._conns, self._listener, None)
+
+
+def _shut(
+    run: Run,
+    replies: Replies,
+    sender: Sender,
+    conns: Mapping[int, socket.socket],
+    listener: socket.socket,
+    wait: float | None,
+) -> None:
+    """End the workers: their connections close, so each leaves its serve loop and exits;
+    a run still going ``wait`` seconds later (or at once, with None) is stopped."""
+    replies.close()
+    sender.close()
+    for conn in conns.values():
+        conn.close()
+    try:
+        run.wait(wait if wait is not None else 0.0)
+    except TimeoutError:
+        run.stop()
+    listener.close()
+
+
+def _errors(replies: Mapping[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in replies.values() if r["status"] == "error"]
