@@ -5,9 +5,10 @@ imports torch (1-3 s). A notebook user imports nbaccel seconds before launching,
 helper can be started then, in the background: the first launch finds it ready (with
 spares forked and the Accelerator preloaded) and costs what a later one does.
 
-After every cell the kernel runs, the helper is offered the installed libraries the kernel
-has imported by then (``helper.offer_libraries``): it imports them in the background while
-the user writes the next cell, so the launch after an import cell finds them loaded.
+While the kernel imports (``ImportWatch``, a finder that finds nothing) and after every cell
+it runs, the helper is offered the installed libraries the kernel has imported by then
+(``helper.offer_libraries``): it imports them in the background, a step behind the kernel,
+so the launch after an import cell finds them loaded.
 
 Only in a kernel: a plain script launches right after its imports, has nothing to gain and
 should not get a process it did not ask for. ``NBACCEL_PREWARM=0`` turns it off (the one
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Mapping
+from importlib.machinery import ModuleSpec
 
 from nbaccel.env_names import PREWARM_VAR
 from nbaccel.launcher.local.helper import (
@@ -101,6 +104,10 @@ def _warm_up() -> None:
         warm_planning = getattr(api, "warm_planning", None)
         if warm_planning is not None:
             warm_planning()
+        watch = ImportWatch.install()
+        threading.Thread(
+            target=follow_imports, args=(watch,), name="nbaccel-imports", daemon=True
+        ).start()
     except Exception:  # noqa: BLE001 - nobody to report to: the first launch starts the
         pass  # helper again and raises the reason there, and plans with the user's settings
 
@@ -129,3 +136,38 @@ def _after_cell(*_: object) -> None:
             offer_libraries(helper)
     except Exception:  # noqa: BLE001 - an offer is an optimisation: the launch offers again
         pass
+
+
+# How long the offers wait for more of an import under way: one offer per batch of modules.
+OFFER_EVERY_S = 0.05
+
+
+class ImportWatch:
+    """A finder first on ``sys.meta_path`` that finds nothing: it only notes that the kernel
+    is importing something new (modules already imported never reach a finder)."""
+
+    def __init__(self) -> None:
+        self.importing = threading.Event()
+
+    @classmethod
+    def install(cls) -> ImportWatch:
+        for finder in sys.meta_path:
+            if isinstance(finder, cls):
+                return finder
+        watch = cls()
+        sys.meta_path.insert(0, watch)
+        return watch
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> ModuleSpec | None:
+        self.importing.set()
+        return None
+
+
+def follow_imports(watch: ImportWatch) -> None:
+    """Offer the helper what the kernel imports, in batches, for as long as the kernel runs
+    (on the prewarm's thread)."""
+    while True:
+        watch.importing.wait()
+        time.sleep(OFFER_EVERY_S)
+        watch.importing.clear()
+        _after_cell()

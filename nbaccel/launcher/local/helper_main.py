@@ -132,7 +132,8 @@ class Helper(WarmUp):
                 message, fds = control.receive(self.sock)
                 if message is None:
                     return
-                self.last_activity = time.monotonic()
+                if message["op"] != "preload":  # offers come while the kernel imports
+                    self.last_activity = time.monotonic()
                 self.handle(message, fds)
 
     def _wait(self, timeout: float) -> list[Any]:

@@ -197,16 +197,17 @@ class Preloader:
     ) -> None:
         import psutil
 
-        names, self.pending = self.pending, []
         process = psutil.Process()
         if self._base_rss is None:
             self._base_rss = process.memory_info().rss
         capped = False
-        for name in names:
+        while self.pending:  # names asked for while it runs are taken too
+            name = self.pending.pop(0)
             if name in sys.modules:
                 continue
             if process.memory_info().rss - self._base_rss > self.max_growth:
-                capped = True
+                capped = True  # what is left, the workers import themselves
+                self.pending.clear()
                 break
             why = import_checked(name, Hazards.now(), held)
             if why is not None and why.startswith("handlers: "):

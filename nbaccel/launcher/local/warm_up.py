@@ -73,9 +73,11 @@ class WarmUp:
         raise NotImplementedError
 
     def warm_up(self) -> None:
-        """Import WARM_LATER once (and torch_xla where launches use it), then the libraries
-        asked for, while still serving requests; then retire the spares forked without them."""
+        """Import the libraries asked for, then (once) WARM_LATER and torch_xla where launches
+        use it, while still serving requests; then retire the spares forked without them.
+        The kernel's libraries come first: the next launch is the kernel's, and needs them."""
         loaded = len(sys.modules)
+        self.preload()
         first = () if self.warmed else WARM_LATER + (("torch_xla",) if xla_machine() else ())
         self.warmed = True
         for module in first:
@@ -93,9 +95,7 @@ class WarmUp:
             self._serve_deferred()
             while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
                 pass
-        if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
-            with self.serving_meanwhile(), frozen_imports():
-                self.preloader.run(self.reply, self._serve_deferred, self.held_sockets)
+            self.preload()  # what the kernel offered meanwhile, before the next module
         if self.preloader.unsafe is not None:
             return  # forking is over: the spares forked before the import are all there is
         # Told once the spares have every import: a launch that follows the report gets one
@@ -103,6 +103,13 @@ class WarmUp:
         self.held_report = self.preloader.report
         if len(sys.modules) != loaded:  # the spares lack what was imported: newer ones
             self.stale = {pid for pid, _ in self.spares}
+
+    def preload(self) -> None:
+        if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
+            with self.serving_meanwhile(), frozen_imports():
+                self.preloader.run(self.reply, self._serve_deferred, self.held_sockets)
+            while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
+                pass
 
     def fresh_spares(self) -> int:
         return sum(1 for pid, _ in self.spares if pid not in self.stale)

@@ -228,11 +228,17 @@ def test_the_prewarm_thread_warms_this_side_once_the_helper_is_ready(
 
     monkeypatch.setattr(prewarm, "shared_helper", start)
     monkeypatch.setattr(api, "warm_planning", lambda: calls.append("planning"))
+    # Then it follows the kernel's imports on a thread of its own (not in this test process).
+    monkeypatch.setattr(prewarm.ImportWatch, "install", lambda: calls.append("watch"))
+    monkeypatch.setattr(prewarm, "follow_imports", lambda watch: calls.append("follow"))
     thread = prewarm.prewarm({}, in_kernel=True)
     assert thread is not None
     thread.join(timeout=30)
     assert not thread.is_alive()
-    assert calls == ["helper", "ready", "planning"]
+    deadline = time.monotonic() + 30
+    while "follow" not in calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls == ["helper", "ready", "planning", "watch", "follow"]
 
 
 def test_the_prewarm_module_imports_nothing_of_the_launch_path() -> None:
@@ -245,8 +251,10 @@ def test_the_prewarm_module_imports_nothing_of_the_launch_path() -> None:
     assert imported == {
         "__future__",
         "collections.abc",
+        "importlib.machinery",  # stdlib, already imported by every interpreter
         "sys",
         "threading",
+        "time",
         "warnings",
         "nbaccel.env_names",
         "nbaccel.launcher.local.helper",
