@@ -81,7 +81,7 @@ def run_payload(
             if exit_request.code not in (0, None):
                 raise
             value = None
-        dumped = _dump_result(context.rank, value)
+        dumped = dump_result(context.rank, value)
         if context.rank == 0 and config.preload_libraries:
             events.send(ModulesImported(0, imported_since(loaded_before)))
         events.send(ResultReady(context.rank, dumped))
@@ -106,13 +106,15 @@ def imported_since(loaded_before: set[str]) -> tuple[tuple[str, str | None], ...
     )
 
 
-def _dump_result(rank: int, value: Any) -> bytes:
+def dump_result(rank: int, value: Any, *, sent: str = "returned", keep: str = "") -> bytes:
+    """``value`` pickled to go back to the kernel, or a TypeError that says what to send
+    instead (``sent``: how the value was sent; ``keep``: a further hint)."""
     try:
         return pickling.dumps(value)
     except Exception as error:
         raise TypeError(
-            f"the value returned on rank {rank} ({type(value).__name__}) cannot be pickled "
-            f"to send it back: {error}. Return plain data (numbers, lists, dicts, tensors)."
+            f"the value {sent} on rank {rank} ({type(value).__name__}) cannot be pickled to "
+            f"send it back: {error}. Return plain data (numbers, lists, dicts, tensors){keep}."
         ) from error
 
 

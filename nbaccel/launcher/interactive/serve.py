@@ -34,9 +34,8 @@ import psutil
 import torch
 
 from nbaccel.context import active_session
-from nbaccel.launcher.bootstrap import pickling
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
-from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
+from nbaccel.launcher.bootstrap.worker_bootstrap import dump_result, error_message
 from nbaccel.launcher.interactive.wire import (
     DONE_MARK,
     connect,
@@ -103,7 +102,7 @@ def _execute(
             value = _OPERATIONS[command["op"]](command, namespace)
         finally:
             interrupts.running = False
-        reply["value"] = _dump_value(rank, value)
+        reply["value"] = dump_result(rank, value, sent="returned or pulled", keep=KEEP_IN_NAMESPACE)
     except KeyboardInterrupt:
         reply["status"] = "interrupted"
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
@@ -183,6 +182,9 @@ def _free_memory(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
     return None
 
 
+# What a value that cannot travel back should have done instead, beside plain data.
+KEEP_IN_NAMESPACE = "; keep models and optimizers in the rank's namespace"
+
 _OPERATIONS = {"run": _run, "exec": _exec, "push": _push, "pull": _pull, "free": _free_memory}
 
 
@@ -197,17 +199,6 @@ def memory_now() -> dict[str, int]:
 
 def _cuda_in_use() -> bool:
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
-
-
-def _dump_value(rank: int, value: Any) -> bytes:
-    try:
-        return pickling.dumps(value)
-    except Exception as error:
-        raise TypeError(
-            f"the value on rank {rank} ({type(value).__name__}) cannot be pickled to send it "
-            f"back: {error}. Return or pull plain data (numbers, lists, dicts, tensors); keep "
-            "models and optimizers in the rank's namespace."
-        ) from error
 
 
 def _from_user_code(error: BaseException) -> BaseException:
