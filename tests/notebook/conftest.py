@@ -18,13 +18,28 @@ from typing import Any
 
 import nbformat
 import pytest
-from jupyter_client import BlockingKernelClient
+from jupyter_client import BlockingKernelClient, KernelManager
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient import NotebookClient
 from nbformat import NotebookNode
 
 KERNEL_NAME = "python3"
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+@pytest.fixture
+def kernel(kernel_dirs: Path, tmp_path: Path) -> Iterator[tuple[KernelManager, Any]]:
+    """A python3 kernel started in the test's folder, with its client; shut down after."""
+    km = KernelManager(kernel_name=KERNEL_NAME)
+    km.start_kernel(cwd=str(tmp_path))
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=120)
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 def strip_ansi(text: str) -> str:

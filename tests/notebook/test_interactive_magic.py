@@ -10,7 +10,6 @@ import queue
 import signal
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +19,7 @@ from jupyter_client import BlockingKernelClient, KernelManager
 
 from tests.notebook.conftest import cell_output, strip_ansi
 
-KERNEL_NAME = "python3"
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def kernel(kernel_dirs: Path, tmp_path: Path) -> Iterator[tuple[KernelManager, Any]]:
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    km.start_kernel(cwd=str(tmp_path))
-    kc = km.client()
-    try:
-        kc.start_channels()
-        kc.wait_for_ready(timeout=120)
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def _reply(kc: BlockingKernelClient, msg_id: str, timeout: float) -> dict[str, Any]:

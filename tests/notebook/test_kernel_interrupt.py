@@ -13,7 +13,6 @@ import json
 import queue
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from jupyter_client import BlockingKernelClient, KernelManager
 
 from tests.notebook.conftest import cell_output
 
-KERNEL_NAME = "python3"
 STOP_SECONDS = 3.0  # interrupt -> every worker and DataLoader worker gone
 
 SPIN_CELL = """
@@ -86,20 +84,6 @@ _started = _time.perf_counter()
 QUICK = nbaccel.notebook_launcher(quick, args=(21,), num_processes=2, runs_dir={runs!r})
 QUICK_SECONDS = _time.perf_counter() - _started
 """
-
-
-@pytest.fixture
-def kernel(kernel_dirs: Path, tmp_path: Path) -> Iterator[tuple[KernelManager, Any]]:
-    km = KernelManager(kernel_name=KERNEL_NAME)
-    km.start_kernel(cwd=str(tmp_path))
-    kc = km.client()
-    try:
-        kc.start_channels()
-        kc.wait_for_ready(timeout=120)
-        yield km, kc
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def _reply(kc: BlockingKernelClient, msg_id: str, deadline: float) -> dict[str, Any] | None:
