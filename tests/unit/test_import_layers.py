@@ -286,3 +286,27 @@ def test_the_room_check_catches_a_wrong_arrow() -> None:
     tree = ast.parse("from nbaccel.launcher.local.helper import shared_helper\n")
     targets = {room("nbaccel.launcher", owning_module(t)) for t in own_imports(tree)}
     assert targets - ROOMS["nbaccel.launcher"]["bootstrap"] == {"local"}
+
+
+@pytest.mark.parametrize(
+    "room", sorted(f"{package}.{sub}" for package, subs in ROOMS.items() for sub in subs)
+)
+def test_the_modules_inside_a_room_form_no_circle(room: str) -> None:
+    # A lazy import counts: a module reaching back to the one that imports it is a circle.
+    inside = {name for name in modules() if name.startswith(room + ".")}
+    arrows = {
+        name: {owning_module(t) for t in own_imports(modules()[name])} & inside - {name}
+        for name in inside
+    }
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for nxt in arrows.get(todo.pop(), set()) - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    circles = sorted(name for name in inside if name in reach(name))
+    assert not circles, f"modules of {room} in a circle: {circles}"

@@ -113,11 +113,3 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-
-
-def serve_on_rank(address: str, token: str) -> None:
-    """What an interactive launch runs on each rank (``serve.serve``, which imports torch):
-    named here, in a module the torch-free kernel can import, so it travels by reference."""
-    from nbaccel.launcher.interactive.serve import serve
-
-    serve(address, token)

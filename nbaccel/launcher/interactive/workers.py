@@ -32,8 +32,8 @@ from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, dumps_call
 from nbaccel.launcher.interactive.calls import Replies, Sender, build_cell_error
 from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
+from nbaccel.launcher.interactive.on_rank import serve_on_rank
 from nbaccel.launcher.interactive.relay import CellRelay
-from nbaccel.launcher.interactive.wire import serve_on_rank
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
