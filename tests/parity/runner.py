@@ -33,6 +33,7 @@ import builtins
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -303,6 +304,9 @@ def main(argv: list[str]) -> int:
         for attempt in (1, 2):
             for stale in (Path(out_dir) / "accelerate").glob(f"{name}.*"):
                 stale.unlink()  # what an earlier attempt left
+            # Its work folder too: a program that appends there (TensorBoard's event files,
+            # hparams.yml) would report both attempts' records.
+            shutil.rmtree(Path(out_dir) / "accelerate" / f"{name}-work", ignore_errors=True)
             child = fork.Process(
                 target=_launch_one, args=(name, out_dir, processes), name=f"parity-{name}"
             )
