@@ -58,6 +58,8 @@ from nbaccel.launcher.outcome.failures import Failure, build_error
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.output import LineSplitter, render
 from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.sharing.packing import close_fds
+from nbaccel.launcher.sharing.segments import map_private
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
 
@@ -79,6 +81,8 @@ class RankPipes:
     exitcode: int | None = None
     pid: int | None = None  # reported by the worker when it starts
     result: bytes | None = None
+    result_refs: tuple[tuple[int, int, int], ...] = ()  # its buffers in the rank's result box
+    result_map: memoryview | None = None  # that box, mapped (sharing.segments.map_private)
     has_result: bool = False
     attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
@@ -111,6 +115,7 @@ class RunPump:
     _helper: WorkerStarter | None
     _events_file: Any
     _attempts: Attempts
+    _boxes: dict[int, int]  # rank -> its result box, until its value came
 
     def logs(self, rank: int = 0) -> str:
         """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
@@ -236,7 +241,8 @@ class RunPump:
                 self._record({"event": "step_breakdown", "rank": r.rank, **window})
                 self._emit(message)
             case ResultReady():
-                r.result, r.has_result = message.value, True
+                r.result, r.result_refs, r.has_result = message.value, message.buffers, True
+                self._took_result(r)
                 self._keep_result(r.rank, message.value)
             case Rank0Value():  # rank 0 ran on another machine: kept as its own value is
                 self._rank0_value = message.value
@@ -384,7 +390,17 @@ class RunPump:
         self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
         self._done.set()
 
+    def _took_result(self, r: RankPipes) -> None:
+        """Map the rank's result box if its value left buffers there, and close it: no fd
+        outlives the run, and the value's pages live as long as the map."""
+        box = self._boxes.pop(r.rank, None)
+        if box is not None:
+            r.result_map = map_private(box) if r.result_refs else None
+            os.close(box)
+
     def _close_everything(self) -> None:
+        close_fds(self._boxes)  # ranks that sent no value
+        self._boxes.clear()
         if self._helper is not None:
             self._helper.unsubscribe(self.run_id)
         for r in self._ranks.values():

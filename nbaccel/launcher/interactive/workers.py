@@ -29,7 +29,7 @@ from nbaccel.config.resolve import ConfigSource
 from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
-from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, dumps_call
+from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, pack_call
 from nbaccel.launcher.interactive.calls import Replies, Sender, build_cell_error
 from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
 from nbaccel.launcher.interactive.on_rank import serve_on_rank
@@ -37,6 +37,8 @@ from nbaccel.launcher.interactive.relay import CellRelay
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
+from nbaccel.launcher.sharing.cache import limit_bytes
+from nbaccel.launcher.sharing.packing import Packed, close_fds, unpack
 
 INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the group is ended
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
@@ -101,8 +103,7 @@ class WorkerGroup:
         rank raises its exception here, ``[rank N]`` in its message; an interrupt raises
         ``KeyboardInterrupt`` and leaves the workers ready for the next call.
         """
-        call = dumps_call(function, args, kwargs)
-        return self._call({"op": "run", "call": call})
+        return self._call({"op": "run"}, sending=(function, args, kwargs))
 
     def run_cell(
         self, code: str, filename: str, show_ranks: frozenset[int] | None = None
@@ -114,7 +115,7 @@ class WorkerGroup:
 
     def push(self, **values: Any) -> None:
         """Set ``name=value`` in every rank's namespace (the same value on each)."""
-        self._call({"op": "push", "values": dumps_call(dict, (), values)}, shown=False)
+        self._call({"op": "push"}, shown=False, sending=(dict, (), values))
 
     def pull(self, name: str) -> dict[int, Any]:
         """``{rank: value}`` of ``name`` in every rank's namespace."""
@@ -159,6 +160,9 @@ class WorkerGroup:
         config = planned.resolved.config
         token = secrets.token_hex(32)
         listener, address = listen(planned, token)
+        # Shared memory reaches ranks over the Unix socket (its frames carry fds), not TCP.
+        local = listener.family == socket.AF_UNIX
+        self._share_limit = limit_bytes(config.shared_memory_limit_gb) if local else 0
         payload = build_payload(serve_on_rank, (address, token), {}, config)
         # The payload carries the cells' source lines known now; each call sends newer ones.
         self._sent_sources = set(cell_sources())
@@ -212,11 +216,22 @@ class WorkerGroup:
         show_ranks: frozenset[int] | None = None,
         *,
         shown: bool = True,
+        sending: tuple[Callable[..., Any], tuple[Any, ...], Mapping[str, Any]] | None = None,
     ) -> dict[int, Any]:
         """Send ``command`` to every rank and return their values. ``shown``: the call gets
         a display of its own (a dashboard in a kernel); push, pull and free_memory print
-        what the ranks print, as text, and nothing else."""
+        what the ranks print, as text, and nothing else. ``sending``: a call
+        ``(function, args, kwargs)`` that travels with it (``command["call"]``), its large
+        buffers in shared memory on one machine (``sharing``)."""
         run = self._live_run()
+        shared = None
+        if sending is not None:
+            packed, shared, notice = pack_call(*sending, self._share_limit)
+            if notice:
+                print(
+                    f"nbaccel: {notice}: sent inside the message, a copy per rank", file=sys.stderr
+                )
+            command = {**command, "call": packed.data, "refs": packed.refs}
         self._seq += 1
         seq = self._seq
         new_sources = {k: v for k, v in cell_sources().items() if k not in self._sent_sources}
@@ -227,19 +242,23 @@ class WorkerGroup:
         started = time.time()
         display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
         error: BaseException | None = None
+        replies: dict[int, dict[str, Any]] = {}
         try:
             interrupted = False
-            sent = self._sender.send(frame)  # on its own thread: an interrupt cannot cut it
+            fds = shared.fds if shared is not None else ()
+            sent = self._sender.send(frame, fds)  # on its own thread: an interrupt cannot cut it
             while True:
                 try:
                     if sent.wait(0.25):
                         break
                 except KeyboardInterrupt:
                     interrupted = True  # once every rank has the command
+            if shared is not None:
+                shared.close()  # every rank holds the segments now
             if self._sender.failure is not None:
                 failure = self._sender.failure
                 raise self._ended(run, f"sending a command to the workers failed ({failure!r})")
-            replies = self._wait(run, interrupted)
+            self._wait(run, interrupted, replies)
             visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
             ranks = visible if visible is not None else run.ranks
             self._relay.wait_output(seq, ranks, OUTPUT_GRACE)
@@ -251,26 +270,30 @@ class WorkerGroup:
                 )
             if any(r["status"] == "interrupted" for r in replies.values()):
                 raise KeyboardInterrupt
-            return {rank: pickle.loads(r["value"]) for rank, r in sorted(replies.items())}
+            return {
+                rank: unpack(Packed(r["value"], r.get("refs", ())), r["fds"])
+                for rank, r in sorted(replies.items())
+            }
         except BaseException as failed:
             error = failed
             raise
         finally:
+            for reply in replies.values():
+                close_fds(reply.get("fds", ()))  # what was mapped stays
             state = RunState.SUCCEEDED if error is None else RunState.FAILED
             if isinstance(error, KeyboardInterrupt):
                 state, error = RunState.CANCELLED, None
             display(RunEnded(state, error, time.time() - started, time.time()))
             self._relay.target = self._idle
 
-    def _wait(self, run: Run, interrupted: bool) -> dict[int, dict[str, Any]]:
-        """Every rank's reply. An interrupt (here, or while the command was being sent) gets
-        the ranks SIGINT at once; one rank's error gets the ranks still busy SIGINT after
-        ``INTERRUPT_GRACE`` (they may be waiting for it in a collective). SIGINT goes again
-        each second to the ranks still busy (one that started the command after the first
-        took nothing; a rank takes one interrupt per command). A rank still busy
-        ``INTERRUPT_GRACE`` after the first SIGINT (stuck in a collective or in C code)
+    def _wait(self, run: Run, interrupted: bool, replies: dict[int, dict[str, Any]]) -> None:
+        """Every rank's reply, into ``replies``. An interrupt (here, or while the command
+        was being sent) gets the ranks SIGINT at once; one rank's error gets the ranks still
+        busy SIGINT after ``INTERRUPT_GRACE`` (they may be waiting for it in a collective).
+        SIGINT goes again each second to the ranks still busy (one that started the command
+        after the first took nothing; a rank takes one interrupt per command). A rank still
+        busy ``INTERRUPT_GRACE`` after the first SIGINT (stuck in a collective or in C code)
         ends the group; a second interrupt here ends it at once."""
-        replies: dict[int, dict[str, Any]] = {}
         deadline: float | None = None  # when the ranks still busy get SIGINT, or are given up
         signalled_at: float | None = None
         reason = ""
@@ -299,7 +322,6 @@ class WorkerGroup:
                 signalled_at = time.monotonic()
                 deadline = signalled_at + INTERRUPT_GRACE
                 self._interrupt(run, replies)
-        return replies
 
     def _interrupt(self, run: Run, replies: Mapping[int, Any]) -> None:
         busy = sorted(set(self._conns) - set(replies))
