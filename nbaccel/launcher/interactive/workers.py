@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from nbaccel.config.resolve import ConfigSource
 from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
@@ -67,7 +69,7 @@ class WorkerGroup:
         self._config = config
         self._overrides = dict(overrides)
         self._seq = 0
-        self.memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
+        self._memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
         self._run: Run | None = None
         self._start()
         global _last_made
@@ -91,6 +93,24 @@ class WorkerGroup:
     def logs(self, rank: int = 0) -> str:
         """Everything ``rank`` printed since these workers started (also once they ended)."""
         return self._last_run.logs(rank)
+
+    @property
+    def memory(self) -> dict[int, dict[str, int]]:
+        """Each rank's memory in bytes: ``rss`` (resident) after the last call, with its
+        device's ``cuda_allocated``/``cuda_reserved``; for ranks on this machine, read now,
+        ``uss`` (pages this rank alone holds) and ``pss`` (its share of the pages it shares:
+        data in shared memory counts once over the ranks that map it, so the ranks' PSS
+        add up to what they take together). Reading USS/PSS walks each rank's page tables:
+        milliseconds per GiB, so only when asked."""
+        memory = {rank: dict(values) for rank, values in self._memory.items()}
+        if self._local:  # pids of another machine are no processes of this one
+            for rank, pid in self._pids.items():
+                try:
+                    full = psutil.Process(pid).memory_full_info()
+                except (psutil.Error, OSError):
+                    continue  # ended, or on another machine
+                memory.setdefault(rank, {}).update(uss=full.uss, pss=full.pss)
+        return memory
 
     @property
     def alive(self) -> bool:
@@ -125,7 +145,7 @@ class WorkerGroup:
     def free_memory(self) -> dict[int, dict[str, int]]:
         """Collect garbage and empty the device's cache on every rank; memory after it."""
         self._call({"op": "free"}, shown=False)
-        return dict(self.memory)
+        return self.memory
 
     def restart(self) -> None:
         """End the workers and start them afresh with the same config (namespaces empty)."""
@@ -161,8 +181,8 @@ class WorkerGroup:
         token = secrets.token_hex(32)
         listener, address = listen(planned, token)
         # Shared memory reaches ranks over the Unix socket (its frames carry fds), not TCP.
-        local = listener.family == socket.AF_UNIX
-        self._share_limit = limit_bytes(config.shared_memory_limit_gb) if local else 0
+        self._local = listener.family == socket.AF_UNIX
+        self._share_limit = limit_bytes(config.shared_memory_limit_gb) if self._local else 0
         payload = build_payload(serve_on_rank, (address, token), {}, config)
         # The payload carries the cells' source lines known now; each call sends newer ones.
         self._sent_sources = set(cell_sources())
@@ -262,7 +282,7 @@ class WorkerGroup:
             visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
             ranks = visible if visible is not None else run.ranks
             self._relay.wait_output(seq, ranks, OUTPUT_GRACE)
-            self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
+            self._memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
             errors = _errors(replies)
             if errors:
                 raise build_cell_error(

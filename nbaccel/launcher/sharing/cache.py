@@ -82,6 +82,7 @@ class SegmentCache:
         self._lock = threading.RLock()  # an owner's weakref callback may run inside place()
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._segments: dict[int, Segment] = {}  # by id(): every segment an entry uses
+        self.bytes_written = 0  # copied into segments so far (what a hit saves)
 
     @property
     def size(self) -> int:
@@ -95,8 +96,9 @@ class SegmentCache:
         needed = sum(aligned(buffer.nbytes) for buffer in buffers)
         if needed > limit:
             raise Refused(
-                f"the data to share ({_gib(needed)}) is more than shared_memory_limit_gb "
-                f"({_gib(limit)})"
+                f"the arrays and tensors sent to the workers ({_size(needed)}) are more than "
+                f"shared_memory_limit_gb={limit / GIB:g} allows ({_size(limit)}), so they went "
+                "through the pipe, a copy per rank; raise shared_memory_limit_gb to share them"
             )
         with self._lock:
             now = time.monotonic()
@@ -119,8 +121,13 @@ class SegmentCache:
                 try:
                     segment, offsets = Segment.write([buffers[i] for i in missing])
                 except OSError as error:
-                    raise Refused(f"no shared memory could be had ({error})") from error
+                    raise Refused(
+                        f"no shared memory could be had for the arrays and tensors sent to "
+                        f"the workers ({error}), so they went through the pipe, a copy per "
+                        "rank; free some memory, or set shared_memory_limit_gb=0 to stop trying"
+                    ) from error
                 written = segment.size
+                self.bytes_written += sum(buffers[i].nbytes for i in missing)
                 self._segments[id(segment)] = segment
                 for index, offset in zip(missing, offsets, strict=True):
                     found[index] = (segment, offset)
@@ -197,8 +204,12 @@ def limit_bytes(gib: float | None) -> int:
     return int(gib * GIB)
 
 
-def _gib(size: int) -> str:
-    return f"{size / GIB:.2f} GiB"
+def _size(size: int) -> str:
+    """
+    >>> _size(8 << 20), _size(3 << 29)
+    ('8.0 MiB', '1.50 GiB')
+    """
+    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / (1 << 20):.1f} MiB"
 
 
 CACHE = SegmentCache()
