@@ -334,6 +334,11 @@ def test_push_pull_and_run_arguments_go_through_shared_memory(runs_dir: str) -> 
                 path, _ = mapping_of(address_of(value))
                 assert "memfd:nbaccel-data" in path, (rank, name, path)
                 assert checksum(value) == checksum(data[name])
+        CACHE.clear()  # the kernel lets go: the ranks keep what a name refers to
+        assert workers.run_cell("float(data['numpy'].sum())", "<cell 2>") == {
+            0: repr(checksum(data["numpy"])),
+            1: repr(checksum(data["numpy"])),
+        }
         usage = workers.memory
         assert all(usage[rank]["uss"] < usage[rank]["rss"] for rank in usage), usage
         assert all("pss" in usage[rank] for rank in usage), usage
@@ -354,3 +359,35 @@ def test_fifty_launches_with_100_mb_leak_no_segment_and_no_fd(runs_dir: str) -> 
     assert CACHE.size <= 101 * MIB  # one segment, the latest
     helper_tree = {p.pid for p in me.children(recursive=True)}
     assert not holders(helper_tree)
+
+
+def after_the_gate(gate: str, data: np.ndarray) -> tuple[str, float]:
+    deadline = time.monotonic() + 120  # bounded: the test opens the gate
+    while not os.path.exists(gate):
+        assert time.monotonic() < deadline, "the test never opened the gate"
+        time.sleep(0.02)
+    return where_it_lies(data), float(data.sum())
+
+
+def test_a_detached_run_keeps_its_data_while_it_runs(tmp_path: Path, runs_dir: str) -> None:
+    data = np.ones(2 * MIB, dtype="f4")
+    gate = tmp_path / "gate"
+    run = nbaccel.launch(
+        after_the_gate,
+        args=(str(gate), data),
+        num_processes=2,
+        detach=True,
+        runs_dir=runs_dir,
+        dashboard=False,
+    )
+    supervisor = psutil.Process(run.supervisor_pid)
+    wait_for(  # its workers hold the segments (the supervisor handed them over)
+        lambda: len(holders({p.pid for p in supervisor.children(recursive=True)})) == 2,
+        60,
+        "both workers to map the data",
+    )
+    CACHE.clear()  # the kernel lets go of its copy: the run goes on with its own
+    assert os.getpid() not in holders({os.getpid()})
+    gate.touch()
+    assert run.wait(120) is nbaccel.RunState.SUCCEEDED, run.error
+    assert set(run.results().values()) == {("/memfd:nbaccel-data (deleted)", float(data.sum()))}
