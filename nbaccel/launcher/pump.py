@@ -58,7 +58,7 @@ from nbaccel.launcher.outcome.failures import Failure, build_error
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.output import LineSplitter, render
 from nbaccel.launcher.run_folder import private_file
-from nbaccel.launcher.sharing.packing import close_fds
+from nbaccel.launcher.sharing.packing import Packed, close_fds, inline_chunks
 from nbaccel.launcher.sharing.segments import map_private
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
@@ -243,10 +243,11 @@ class RunPump:
             case ResultReady():
                 r.result, r.result_refs, r.has_result = message.value, message.buffers, True
                 self._took_result(r)
-                self._keep_result(r.rank, message.value)
+                maps = [r.result_map] if r.result_map is not None else []
+                self._keep_result(r.rank, Packed(message.value, message.buffers), maps)
             case Rank0Value():  # rank 0 ran on another machine: kept as its own value is
                 self._rank0_value = message.value
-                self._keep_result(0, message.value)
+                self._keep_result(0, Packed(message.value))
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModulesImported() if self._helper is not None:  # for the next launch
@@ -254,9 +255,11 @@ class RunPump:
             case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own
                 self._emit(message)
 
-    def _keep_result(self, rank: int, value: bytes) -> None:
+    def _keep_result(self, rank: int, value: Packed, maps: list[memoryview] | None = None) -> None:
+        """The value in the run folder as a plain pickle (its buffers put back in place)."""
         with private_file(self.run_dir / f"result-rank{rank}.pkl", "wb") as file:
-            file.write(value)
+            for chunk in inline_chunks(value, maps or []):
+                file.write(chunk)
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]

@@ -391,3 +391,15 @@ def test_a_detached_run_keeps_its_data_while_it_runs(tmp_path: Path, runs_dir: s
     gate.touch()
     assert run.wait(120) is nbaccel.RunState.SUCCEEDED, run.error
     assert set(run.results().values()) == {("/memfd:nbaccel-data (deleted)", float(data.sum()))}
+
+
+def test_the_run_folder_keeps_a_plain_pickle_of_a_shared_value(runs_dir: str) -> None:
+    import pickle
+
+    run = nbaccel.launch(return_containers, num_processes=1, runs_dir=runs_dir)
+    value = run.result()
+    with open(run.run_dir / "result-rank0.pkl", "rb") as file:
+        kept = pickle.load(file)  # no buffers needed: they are inside
+    assert {name: checksum(v) for name, v in kept.items()} == {
+        name: checksum(v) for name, v in value.items()
+    }

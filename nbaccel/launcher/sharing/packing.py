@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import pickletools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,3 +173,38 @@ def take_shared(
     data, box = int(shared.get("data", 0)), bool(shared.get("box", False))
     own = len(fds) - data - int(box)
     return list(fds[:own]), list(fds[own : own + data]), fds[-1] if box else None
+
+
+def inline_chunks(packed: Packed, maps: Sequence[memoryview]) -> Iterator[bytes | memoryview]:
+    """``packed`` as one plain pickle that any ``pickle.load`` reads (no buffers needed), in
+    pieces to write out: each out-of-band buffer put back in place (``BYTEARRAY8``, or
+    ``BINBYTES8`` where it was read-only) and the frames dropped (optional in protocol 5,
+    and their lengths would no longer hold). The value is never unpickled here, so nothing
+    it names is imported (a kernel stays free of torch).
+
+    >>> import numpy
+    >>> value = {"a": numpy.arange(1 << 18, dtype="f4"), "b": 1}
+    >>> packed, segment = pack_fresh(value, dumps_plain)
+    >>> again = pickle.loads(b"".join(inline_chunks(packed, [map_private(segment.fd)])))
+    >>> segment.close()
+    >>> float(again["a"].sum()) == float(value["a"].sum()), again["b"]
+    (True, 1)
+    """
+    if not packed.refs:
+        yield packed.data
+        return
+    ops = [(op.name, position or 0) for op, _, position in pickletools.genops(packed.data)]
+    refs = iter(packed.refs)
+    start = 0  # where the bytes not yet yielded begin
+    for index, (op, position) in enumerate(ops):
+        end = ops[index + 1][1] if index + 1 < len(ops) else len(packed.data)
+        if op in ("FRAME", "NEXT_BUFFER", "READONLY_BUFFER"):
+            yield packed.data[start:position]
+            start = end
+        if op == "NEXT_BUFFER":
+            segment, offset, length = next(refs)
+            read_only = index + 1 < len(ops) and ops[index + 1][0] == "READONLY_BUFFER"
+            code = pickle.BINBYTES8 if read_only else pickle.BYTEARRAY8
+            yield code + length.to_bytes(8, "little")
+            yield maps[segment][offset : offset + length]
+    yield packed.data[start:]
