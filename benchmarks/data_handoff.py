@@ -217,7 +217,9 @@ try:
     _view.execute("import numpy as np")
     for _i in range({repeats}):
         _array = np.full(_n, float(_i + 1))
-        _t = time.perf_counter(); _view.push({{"array": _array}}); _pushes.append(time.perf_counter() - _t)
+        _t = time.perf_counter()
+        _view.push({{"array": _array}})
+        _pushes.append(time.perf_counter() - _t)
         _view.execute(f"out = np.full({{_n}}, {{_i}} + 2.0)")
         _t = time.perf_counter(); _got = _view.pull("out"); _pulls.append(time.perf_counter() - _t)
         assert all(float(v[0]) == _i + 2.0 for v in _got)
@@ -324,10 +326,10 @@ def report(samples: dict[str, Any], size: int) -> list[str]:
                 warm = median([s for r in rounds for s in r[kind]["warm"]])
                 private = median([p for r in rounds for p in r[kind]["private"]])
             figures[(kind, way)] = {"first": first or 0.0, "warm": warm or 0.0}
+            own = "-" if private is None else f"{private / 2**20:.1f} MiB ({private / size:.1%})"
             lines.append(
                 f"| {kind} | {way} | {'-' if first is None else f'{first:.3f}'} | "
-                f"{'-' if warm is None else f'{warm:.3f}'} | "
-                f"{'-' if private is None else f'{private / 2**20:.1f} MiB ({private / size:.1%})'} |"
+                f"{'-' if warm is None else f'{warm:.3f}'} | {own} |"
             )
     lines.append("")
     lines.append("| rate | median GB/s |")
@@ -341,7 +343,9 @@ def report(samples: dict[str, Any], size: int) -> list[str]:
         ours, theirs = figures[(kind, "nbaccel")], figures[(kind, "accelerate")]
         if theirs["warm"]:
             ratio = ours["warm"] / theirs["warm"]
-            lines.append(f"- {kind}: warm launch {ratio:.2f}x Accelerate's: {verdict(ratio <= 1.0)}")
+            lines.append(
+                f"- {kind}: warm launch {ratio:.2f}x Accelerate's: {verdict(ratio <= 1.0)}"
+            )
             allowed = theirs["first"] + (copy or 0)
             lines.append(
                 f"- {kind}: first launch {ours['first']:.3f} s <= Accelerate's + one copy "
@@ -349,7 +353,9 @@ def report(samples: dict[str, Any], size: int) -> list[str]:
             )
         privates = [p for r in launch.get("nbaccel", []) for p in r[kind]["private"]]
         worst = max(privates, default=0) / size
-        lines.append(f"- {kind}: private memory per rank, worst {worst:.1%}: {verdict(worst <= 0.05)}")
+        lines.append(
+            f"- {kind}: private memory per rank, worst {worst:.1%}: {verdict(worst <= 0.05)}"
+        )
     none_ours, none_theirs = figures[("no data", "nbaccel")], figures[("no data", "accelerate")]
     if none_theirs["warm"]:
         ratio = none_ours["warm"] / none_theirs["warm"]
