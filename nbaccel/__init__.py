@@ -12,7 +12,8 @@ only the worker processes load torch.
 """
 
 import os as _os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from nbaccel.errors import (
     CollectiveTimeout,
@@ -27,7 +28,7 @@ from nbaccel.errors import (
 from nbaccel.launcher.prewarm import prewarm as _prewarm
 from nbaccel.ui.kernel import in_kernel as _in_kernel
 
-if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
+if _TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.accel import Accelerator, DistributedType
     from nbaccel.accel.data.skip_batches import skip_first_batches
     from nbaccel.accel.partial_state import AcceleratorState, PartialState
@@ -117,14 +118,14 @@ _LAZY = {
 }
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: _Any) -> None:
     """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md)."""
     from nbaccel.magic import load_ipython_extension as load
 
     load(ipython)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
     import importlib

@@ -1,7 +1,7 @@
 """The layers of DESIGN.md §2, one way down, read from the source with ``ast``.
 
-    entry points   nbaccel (the package), nbaccel.launching, nbaccel.detached_runs,
-                   nbaccel.cli, nbaccel.ui, demo,
+    entry points   nbaccel (the package and its __main__), nbaccel.launching,
+                   nbaccel.detached_runs, nbaccel.cli, nbaccel.ui, demo,
                    and the worker-side facades of Accelerate's modules: nbaccel.utils,
                    nbaccel.logging (they may import nbaccel.accel; nothing imports them)
     sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nbaccel"
 
 ENTRY = (
     "nbaccel",
+    "nbaccel.__main__",
     "nbaccel.launching",
     "nbaccel.detached_runs",
     "nbaccel.cli",
