@@ -12,8 +12,10 @@ only the worker processes load torch.
 """
 
 import os as _os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
+from nbaccel import lazy_names as _lazy_names
 from nbaccel.errors import (
     CollectiveTimeout,
     ConfigError,
@@ -27,8 +29,8 @@ from nbaccel.errors import (
 from nbaccel.launcher.prewarm import prewarm as _prewarm
 from nbaccel.ui.kernel import in_kernel as _in_kernel
 
-if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
-    from nbaccel.accel import Accelerator, DistributedType
+if _TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
+    from nbaccel.accel import Accelerator
     from nbaccel.accel.data.skip_batches import skip_first_batches
     from nbaccel.accel.partial_state import AcceleratorState, PartialState
     from nbaccel.accel.refusals import (
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
         prepare_pippy,
     )
     from nbaccel.config.accelerate.configs import DataLoaderConfiguration
+    from nbaccel.config.accelerate.enums import DistributedType
     from nbaccel.config.accelerate.kwargs_handlers import (
         AutocastKwargs,
         DDPCommunicationHookType,
@@ -68,8 +71,10 @@ if TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.utils.random import synchronize_rng_states
 
 # Every public name but the errors, by the module that defines it, loaded on first use
-# (PEP 562). The worker-side ones import torch: ``import nbaccel`` in the kernel stays
-# torch-free. Accelerate's top-level config objects are torch-free, loaded so all the same.
+# (PEP 562): ``import nbaccel`` in the kernel stays torch-free. The worker-side ones import
+# torch: ``from nbaccel import Accelerator`` in a kernel gives a stand-in that loads it when
+# used (lazy_names.py), and the real class wherever torch is loaded already (workers).
+# Accelerate's top-level config objects are torch-free, loaded so all the same.
 _LAZY = {
     "Config": "nbaccel.config.schema",
     "ConfigPanel": "nbaccel.ui.panel.config_panel",  # ipywidgets
@@ -95,7 +100,7 @@ _LAZY = {
     "GradScalerKwargs": "nbaccel.config.accelerate.kwargs_handlers",
     "InitProcessGroupKwargs": "nbaccel.config.accelerate.kwargs_handlers",
     "ProfileKwargs": "nbaccel.config.accelerate.kwargs_handlers",
-    "DistributedType": "nbaccel.accel",
+    "DistributedType": "nbaccel.config.accelerate.enums",  # torch-free: the real enum
     "PartialState": "nbaccel.accel.partial_state",
     "AcceleratorState": "nbaccel.accel.partial_state",
     "skip_first_batches": "nbaccel.accel.data.skip_batches",
@@ -117,20 +122,19 @@ _LAZY = {
 }
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: _Any) -> None:
     """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md)."""
     from nbaccel.magic import load_ipython_extension as load
 
     load(ipython)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'nbaccel' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # the next lookup is a plain attribute
+    value = _lazy_names.load(_LAZY[name], name, package=__name__)
+    if not isinstance(value, _lazy_names.StandIn):
+        globals()[name] = value  # the real object: the next lookup is a plain attribute
     return value
 
 

@@ -2,7 +2,8 @@
 
 The parent uses this to check ``num_processes`` before any process starts. NVML (from the
 ``nvidia-ml-py`` package) reads the driver without creating a CUDA context; without it,
-the driver's ``/proc`` entries are counted. ``CUDA_VISIBLE_DEVICES`` narrows either.
+the driver's ``/proc`` entries are counted. ``CUDA_VISIBLE_DEVICES`` narrows either, and
+``choose_gpus`` narrows them further to a launch's ``gpu_ids``.
 TPU chips are found in sysfs and ``/dev``, never by importing torch_xla (which takes
 seconds and writes into ``os.environ``).
 """
@@ -15,6 +16,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from nbaccel.config.field_values import gpu_id_list
+from nbaccel.errors import ConfigError
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # Google's PCI device ids of TPU chips (those torch_xla and JAX check). Other Google devices,
@@ -90,19 +94,99 @@ def visible_gpu_count(env: Mapping[str, str], proc_root: Path = Path("/proc")) -
     >>> visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""})
     0
     """
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [e.strip() for e in visible.split(",")]
-        wanted = 0
-        for entry in entries:  # CUDA stops at the first invalid entry, as do we
-            if not entry or entry.startswith("-"):
-                break
-            wanted += 1
-        if wanted == 0:
+    entries = visible_device_entries(env)
+    if entries is not None:
+        if not entries:
             return 0
         installed = _installed_gpu_count(proc_root)
-        return min(wanted, installed) if installed else 0
+        return min(len(entries), installed) if installed else 0
     return _installed_gpu_count(proc_root)
+
+
+def visible_device_entries(env: Mapping[str, str]) -> list[str] | None:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` in ``env`` that CUDA honours (it stops at the
+    first invalid one), or None when the variable is unset (every GPU is visible).
+
+    >>> visible_device_entries({"CUDA_VISIBLE_DEVICES": "3, GPU-8a1f,-1,2"})
+    ['3', 'GPU-8a1f']
+    """
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    entries = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        entries.append(entry)
+    return entries
+
+
+@dataclass(frozen=True)
+class GpuChoice:
+    """The GPUs of this machine that a launch's workers use.
+
+    ``count``: how many (0: CPU processes, or none chosen on a CPU run); ``visible_devices``:
+    the ``CUDA_VISIBLE_DEVICES`` each worker gets, or None to keep the launching process's.
+    """
+
+    count: int
+    visible_devices: str | None = None
+
+    def worker_env(self) -> dict[str, str]:
+        """What the workers' environment gets on top of the launching process's."""
+        if self.visible_devices is None:
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": self.visible_devices}
+
+
+def choose_gpus(
+    gpu_ids: str, env: Mapping[str, str], *, visible: int | None, source: str = "argument"
+) -> GpuChoice:
+    """The GPUs the workers use: every visible one, or those ``gpu_ids`` names (``"0,2"``).
+
+    ``visible``: the GPUs ``env`` leaves visible (``visible_gpu_count``), or None for a run of
+    CPU processes, which counts none (the workers still see only the GPUs named). The indices
+    count among the GPUs ``env`` leaves visible, as CUDA counts: with
+    ``CUDA_VISIBLE_DEVICES=4,5,6`` in ``env``, ``gpu_ids="0,2"`` gives the workers ``4,6``.
+    An index beyond the visible GPUs (where their number is known: counted, or from
+    ``CUDA_VISIBLE_DEVICES``) raises ConfigError, naming ``source``, before anything starts.
+
+    >>> choose_gpus("2,0", {}, visible=4)
+    GpuChoice(count=2, visible_devices='2,0')
+    >>> choose_gpus("1,0", {"CUDA_VISIBLE_DEVICES": "4,5,6"}, visible=None)
+    GpuChoice(count=0, visible_devices='5,4')
+    >>> choose_gpus("all", {}, visible=4)
+    GpuChoice(count=4, visible_devices=None)
+    """
+    ids = gpu_id_list(gpu_ids)
+    entries = visible_device_entries(env)
+    shown = env.get("CUDA_VISIBLE_DEVICES", "unset")
+    if visible is None:  # CPU processes: the GPUs were not counted
+        if ids is None:
+            return GpuChoice(0)
+        known = len(entries) if entries is not None else None
+    elif ids is None:
+        return GpuChoice(visible)
+    elif not visible:
+        raise ConfigError(
+            f"gpu_ids={gpu_ids!r} (from {source}) picks GPUs, but no GPU is visible here "
+            f"(CUDA_VISIBLE_DEVICES={shown}). Set gpu_ids to 'all', or use_cpu=True to run "
+            "CPU processes.",
+            field="gpu_ids",
+        )
+    else:
+        known = visible
+    if known is not None and max(ids) >= known:
+        numbered = f"indices 0-{known - 1}" if known else "none"
+        among = f", counted among CUDA_VISIBLE_DEVICES={shown}" if entries is not None else ""
+        fix = f"Use indices below {known}, or 'all'." if known else "Set gpu_ids to 'all'."
+        raise ConfigError(
+            f"gpu_ids={gpu_ids!r} (from {source}) names GPU {max(ids)}, but {known} GPU(s) "
+            f"are visible here ({numbered}{among}). {fix}",
+            field="gpu_ids",
+        )
+    chosen = [entries[i] if entries is not None else str(i) for i in ids]
+    return GpuChoice(0 if visible is None else len(ids), ",".join(chosen))
 
 
 def _installed_gpu_count(proc_root: Path) -> int:

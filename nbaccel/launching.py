@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nbaccel.config.accelerate.launcher_keywords import given_arguments
 from nbaccel.config.resolve import ConfigSource
 from nbaccel.launcher.api import start
 from nbaccel.launcher.run import Run
@@ -21,6 +22,18 @@ def launch(
     function: Callable[..., Any],
     args: tuple[Any, ...] | list[Any] = (),
     num_processes: int | None = None,
+    mixed_precision: str | None = None,
+    use_port: str | int | None = None,
+    master_addr: str | None = None,
+    node_rank: int | None = None,
+    num_nodes: int | None = None,
+    rdzv_backend: str | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_conf: Mapping[str, Any] | None = None,
+    rdzv_id: str | None = None,
+    max_restarts: int | None = None,
+    monitor_interval: float | None = None,
+    log_line_prefix_template: str | None = None,
     *,
     kwargs: Mapping[str, Any] | None = None,
     config: ConfigSource = None,
@@ -29,8 +42,9 @@ def launch(
 ) -> Run:
     """Start ``function(*args, **kwargs)`` on every worker and return at once with a ``Run``.
 
-    Any Config field can be given as a keyword (``mixed_precision="bf16"``); ``config`` is
-    a Config, a mapping or a YAML path. See ``notebook_launcher`` for the blocking form.
+    Takes ``notebook_launcher``'s arguments, positional ones included. Any Config field can
+    be given as a keyword (``mixed_precision="bf16"``); ``config`` is a Config, a mapping or
+    a YAML path.
 
     >>> import nbaccel
     >>> def add(a, b):
@@ -39,14 +53,28 @@ def launch(
     >>> run.results()
     {0: 5, 1: 5}
     """
+    # Accelerate's parameters that were given (None: not given, so files and env count).
+    given = given_arguments(locals())
     show = choose_display(dashboard, blocking=False)
-    return start(function, args, num_processes, kwargs, config, overrides, show=show)
+    return start(function, args, num_processes, kwargs, config, given | overrides, show=show)
 
 
 def notebook_launcher(
     function: Callable[..., Any],
     args: tuple[Any, ...] | list[Any] = (),
     num_processes: int | None = None,
+    mixed_precision: str | None = None,
+    use_port: str | int | None = None,
+    master_addr: str | None = None,
+    node_rank: int | None = None,
+    num_nodes: int | None = None,
+    rdzv_backend: str | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_conf: Mapping[str, Any] | None = None,
+    rdzv_id: str | None = None,
+    max_restarts: int | None = None,
+    monitor_interval: float | None = None,
+    log_line_prefix_template: str | None = None,
     *,
     kwargs: Mapping[str, Any] | None = None,
     config: ConfigSource = None,
@@ -55,12 +83,13 @@ def notebook_launcher(
 ) -> Any:
     """Run ``function(*args)`` on every worker, stream their output, return rank 0's value.
 
-    A drop-in for ``accelerate.notebook_launcher``: the same first three arguments, and its
-    keywords (``mixed_precision``, ``use_port``, ``master_addr``, ``node_rank``, ``num_nodes``,
-    ``rdzv_backend``, ...) mapped onto the config or refused with the reason
-    (``nbaccel.config.accelerate.launcher_keywords``). Any Config field is a keyword too. A failing
-    rank raises its own exception type (or ``nbaccel.WorkerError``), naming the rank, with
-    the worker's traceback chained. An interrupt stops every worker and re-raises.
+    A drop-in for ``accelerate.notebook_launcher``: its parameters in its order, so
+    ``notebook_launcher(train, args, 2, "bf16")`` means ``mixed_precision="bf16"`` here too.
+    Each is mapped onto the config or refused with the reason
+    (``nbaccel.config.accelerate.launcher_keywords``); one left out (None) takes its value
+    from the config file and env, else nbaccel's default. Any Config field is a keyword too.
+    A failing rank raises its own exception type (or ``nbaccel.WorkerError``), naming the
+    rank, with the worker's traceback chained. An interrupt stops every worker and re-raises.
     Every launch leaves a folder ``runs_dir/<run id>/`` (``./nbaccel_runs/`` by default: the
     config, every rank's log, the metrics, the results). Where nbaccel differs from
     Accelerate: docs/coming-from-accelerate.md.
@@ -72,8 +101,10 @@ def notebook_launcher(
     >>> nbaccel.notebook_launcher(world, args=(10,), num_processes=2)
     20
     """
+    # Accelerate's parameters that were given (None: not given, so files and env count).
+    given = given_arguments(locals())
     show = choose_display(dashboard, blocking=True)
-    run = start(function, args, num_processes, kwargs, config, overrides, show=show)
+    run = start(function, args, num_processes, kwargs, config, given | overrides, show=show)
     try:
         run.wait()
     except KeyboardInterrupt:

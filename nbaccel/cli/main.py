@@ -12,6 +12,9 @@ from collections.abc import Sequence
 import nbaccel
 from nbaccel.demo import train_demo
 
+# Processes of `nbaccel demo` on a machine without GPUs: a demo of a distributed run needs two.
+DEMO_CPU_PROCESSES = 2
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -30,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-processes",
         type=int,
         default=None,
-        help="worker processes (default: 2, or one per GPU)",
+        help=f"worker processes (default: one per GPU, else {DEMO_CPU_PROCESSES} CPU processes)",
     )
     demo.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
     demo.set_defaults(run=_demo)
@@ -66,14 +69,25 @@ def _demo(args: argparse.Namespace) -> int:
     from nbaccel.devices import visible_gpu_count
 
     gpus = visible_gpu_count(os.environ)
-    num_processes = args.num_processes or max(gpus, 2)
-    where = (
-        f"{num_processes} GPU processes (nccl)" if gpus else f"{num_processes} CPU processes (gloo)"
-    )
-    print(f"nbaccel demo: training on {where}; rank 0's output:")
+    # The demo shows a distributed run, so without a GPU it runs DEMO_CPU_PROCESSES CPU
+    # processes, where a launch that names no count runs one (docs/reference.md); with GPUs
+    # it takes the launch's own default, one process per GPU (gpu_ids narrows them).
+    if args.num_processes:
+        where = f"{args.num_processes} {'GPU' if gpus else 'CPU'} processes"
+    elif gpus:
+        where = "one process per GPU"
+    else:
+        where = (
+            f"{DEMO_CPU_PROCESSES} CPU processes (no GPU is visible; a launch would run 1; "
+            "--num_processes N for another count)"
+        )
+    print(f"nbaccel demo: a distributed training on {where}; rank 0's output:")
     try:
         summary = nbaccel.notebook_launcher(
-            train_demo, args=(args.epochs,), num_processes=num_processes, use_cpu=not gpus
+            train_demo,
+            args=(args.epochs,),
+            num_processes=args.num_processes or (None if gpus else DEMO_CPU_PROCESSES),
+            use_cpu=not gpus,
         )
     except KeyboardInterrupt:
         print("nbaccel demo: interrupted; every worker was stopped.", file=sys.stderr)

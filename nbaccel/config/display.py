@@ -38,6 +38,8 @@ APPLIES_WHEN: dict[str, Predicate] = {
     "deepspeed.zero3_save_16bit_model": lambda values: int(values["deepspeed_zero_stage"]) == 3,
     **dict.fromkeys(["machine_rank", "main_process_ip", "main_process_port"], _multi_node),
     "rdzv_timeout": lambda values: _multi_node(values) or _with_hosts(values),
+    # GPU processes on this machine only (hosts= chooses no GPUs here).
+    "gpu_ids": lambda values: not values["use_cpu"] and not _with_hosts(values),
     # How the kernel reaches the hosts of hosts=: nothing to ask without hosts.
     **dict.fromkeys(["ssh_options", "remote_python"], _with_hosts),
     # Asked only when this machine's share of the processes would otherwise be refused on

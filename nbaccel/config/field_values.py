@@ -2,9 +2,10 @@
 
 ``Option`` is the flat record ``schema.options()`` makes of each leaf field; ``check_value``
 holds a value to the field's type, choices and bounds, ``parse_text`` turns the text of an
-environment variable, CLI flag or widget into that type, and ``shown_ranks`` reads
-``log_ranks``. Checks that involve several fields at once live with ``Config`` in
-``schema.py``. Plain data, stdlib only.
+environment variable, CLI flag or widget into that type (``normal_value`` the other forms
+code and YAML may use), ``shown_ranks`` reads ``log_ranks`` and ``gpu_id_list`` ``gpu_ids``.
+Checks that involve several fields at once live with ``Config`` in ``schema.py``. Plain
+data, stdlib only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Option:
     minimum: float | None
     maximum: float | None
     accelerate_env: str | None
+    int_list: bool = False  # a str field holding "0,2": a list or an int is taken too
 
     def get(self, config: object) -> Any:
         """This field's value in a ``Config`` (nested sections followed by the dotted path)."""
@@ -63,6 +65,58 @@ def shown_ranks(log_ranks: str) -> frozenset[int] | None:
             f"log_ranks={log_ranks!r} must name at least one rank >= 0.", field="log_ranks"
         )
     return ranks
+
+
+def gpu_id_list(gpu_ids: str) -> tuple[int, ...] | None:
+    """Parse ``gpu_ids``: the GPU indices in the order given, or None for "all".
+
+    >>> gpu_id_list("2, 0"), gpu_id_list("all")
+    ((2, 0), None)
+    >>> gpu_id_list("0,0")
+    Traceback (most recent call last):
+    ...
+    nbaccel.errors.ConfigError: gpu_ids='0,0' names GPU 0 twice: each process gets a GPU of its own. Name each GPU once.
+    """  # noqa: E501
+    if gpu_ids.strip().lower() == "all":
+        return None
+    entries = [entry.strip() for entry in gpu_ids.split(",")]
+    wrong = next((entry for entry in entries if not entry.isdigit()), None)
+    if wrong is not None:
+        what = "an empty entry" if not wrong else f"{wrong!r}, which is not a GPU index"
+        raise ConfigError(
+            f"gpu_ids={gpu_ids!r} holds {what}: give 'all', or GPU indices >= 0 separated by "
+            "commas, such as '0,1' (Accelerate's --gpu_ids form).",
+            field="gpu_ids",
+        )
+    ids = tuple(int(entry) for entry in entries)
+    twice = next((i for i in ids if ids.count(i) > 1), None)
+    if twice is not None:
+        raise ConfigError(
+            f"gpu_ids={gpu_ids!r} names GPU {twice} twice: each process gets a GPU of its "
+            "own. Name each GPU once.",
+            field="gpu_ids",
+        )
+    return ids
+
+
+def normal_value(opt: Option, value: Any) -> Any:
+    """``value`` in the form the field holds, where code and YAML may write it otherwise: a
+    list for a tuple field; a list of ints or one int for an ``int_list`` text field.
+
+    >>> from nbaccel.config.schema import option
+    >>> normal_value(option("gpu_ids"), [0, 2]), normal_value(option("log_with"), ["csv"])
+    ('0,2', ('csv',))
+    """
+    if isinstance(value, list) and opt.kind is tuple:
+        return tuple(value)
+    if opt.int_list:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if isinstance(value, (list, tuple)) and all(
+            isinstance(item, int) and not isinstance(item, bool) for item in value
+        ):
+            return ",".join(map(str, value))
+    return value  # anything else meets the field's own check, which names it
 
 
 def parse_text(opt: Option, text: str) -> Any:
@@ -131,6 +185,8 @@ def _exactly(value: Any, kind: type) -> bool:
 
 
 def _kind_name(opt: Option) -> str:
+    if opt.int_list:
+        return "text such as '0,2' (or a list of ints)"
     name = "comma list" if opt.kind is tuple else opt.kind.__name__
     return f"{name} or None" if opt.optional else name
 
@@ -152,4 +208,5 @@ def make_option(spec: dataclasses.Field[Any], hint: Any, path: str) -> Option:
         minimum=meta.get("minimum"),
         maximum=meta.get("maximum"),
         accelerate_env=meta.get("accelerate_env"),
+        int_list=bool(meta.get("int_list")),
     )

@@ -17,7 +17,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.config.field_values import Option, check_value, make_option, parse_text, shown_ranks
+from nbaccel.config.field_values import (
+    Option,
+    check_value,
+    gpu_id_list,
+    make_option,
+    normal_value,
+    parse_text,
+    shown_ranks,
+)
 from nbaccel.config.sections import DeepSpeedOptions, DynamoOptions, FSDPOptions, schema_field
 from nbaccel.errors import ConfigError
 
@@ -95,6 +103,13 @@ class Config:
         False,
         "Run CPU processes (gloo) even when GPUs are present.",
         accelerate_env="ACCELERATE_USE_CPU",
+    )
+    gpu_ids: str = schema_field(
+        "all",
+        "The GPUs of this machine the workers use: 'all', or indices such as '0,2' among the "
+        "GPUs this process sees (CUDA_VISIBLE_DEVICES narrows them first); each worker sees "
+        "only those, rank r the r-th, and num_processes defaults to their number.",
+        int_list=True,
     )
     mixed_precision: str = schema_field(
         "no",
@@ -222,6 +237,7 @@ class Config:
         for opt in options():
             check_value(opt, opt.get(self))
         shown_ranks(self.log_ranks)  # raises ConfigError when malformed
+        gpu_id_list(self.gpu_ids)  # too
         _check_consistency(self)
 
     def processes_per_machine(self, gpus: int) -> int:
@@ -301,8 +317,7 @@ def from_flat(values: Mapping[str, Any]) -> Config:
     section_values: dict[str, dict[str, Any]] = {name: {} for name in sections()}
     for key, value in values.items():
         opt = option(key)
-        if isinstance(value, list) and opt.kind is tuple:
-            value = tuple(value)
+        value = normal_value(opt, value)
         if "." in opt.path:
             section, leaf = opt.path.split(".")
             section_values[section][leaf] = value
@@ -379,6 +394,7 @@ def _check_hosts(config: Config) -> None:
         ("num_machines", config.num_machines > 1, "each machine's own launcher joins the job"),
         ("detach", config.detach, "a detached run's supervisor runs on this machine only"),
         ("strategy", config.strategy == "xla", "TPU hosts launch through torch_xla"),
+        ("gpu_ids", config.gpu_ids != "all", "GPUs are chosen on this machine only"),
     )
     for name, present, why in clash:
         if present:

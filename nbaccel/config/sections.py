@@ -23,13 +23,17 @@ def schema_field(
     accelerate_env: str | None = None,
     minimum: float | None = None,
     maximum: float | None = None,
+    int_list: bool = False,
 ) -> Any:
+    """A leaf field of the schema. ``int_list``: a text field holding a comma list of
+    integers (``"0,2"``), which code and YAML may also give as a list or one int."""
     meta = {
         "help": help,
         "choices": choices,
         "accelerate_env": accelerate_env,
         "minimum": minimum,
         "maximum": maximum,
+        "int_list": int_list,
     }
     return field(default=default, metadata=meta)
 

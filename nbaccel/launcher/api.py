@@ -19,9 +19,16 @@ from typing import Any
 
 from nbaccel.config.accelerate.launcher_keywords import from_accelerate_keywords, processes_in_total
 from nbaccel.config.deepspeed.settings import deepspeed_config
-from nbaccel.config.resolve import ConfigSource, resolve
+from nbaccel.config.resolve import ConfigSource, Resolved, resolve
 from nbaccel.config.schema import Config
-from nbaccel.devices import detect_tpu, loopback_interface, usable_cpu_cores, visible_gpu_count
+from nbaccel.devices import (
+    GpuChoice,
+    choose_gpus,
+    detect_tpu,
+    loopback_interface,
+    usable_cpu_cores,
+    visible_gpu_count,
+)
 from nbaccel.errors import ConfigError
 from nbaccel.launcher import checks
 from nbaccel.launcher.bootstrap.payload import build_payload
@@ -85,22 +92,24 @@ def plan(
         hosts = explicit["hosts"]
         explicit["hosts"] = (hosts,) if isinstance(hosts, str) else tuple(hosts)
     resolved = resolve(explicit, env=os.environ, config=config)
-    placement, xla, gpus = None, None, 0
+    placement, xla, chosen = None, None, GpuChoice(0)
     if resolved.config.hosts:  # several machines from here: every host checked over SSH
         placement = place_on_hosts(resolved.config, os.environ)
         world_size = sum(placement.shares)
     elif resolved.config.num_machines > 1:  # this machine's share: each machine runs the cell
-        gpus = 0 if resolved.config.use_cpu else visible_gpu_count(os.environ)
+        chosen = _choose_gpus(resolved, cpu=resolved.config.use_cpu)
         placement = place_machine_of_job(
-            resolved.config, gpus, os.environ, resolved.sources["num_machines"]
+            resolved.config, chosen.count, os.environ, resolved.sources["num_machines"]
         )
-        world_size = resolved.config.total_processes(gpus)
+        world_size = resolved.config.total_processes(chosen.count)
     else:
         checks.check_one_machine(resolved)
         xla = plan_xla_launch(resolved.config, os.environ)
         # Counted once: NVML is slow. A torch_xla launch runs on TPU (or XLA's CPU device).
-        gpus = 0 if resolved.config.use_cpu or xla else visible_gpu_count(os.environ)
-        world_size = xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, gpus)
+        chosen = _choose_gpus(resolved, cpu=resolved.config.use_cpu or xla is not None)
+        world_size = (
+            xla.world_size if xla else _gpu_world_size(resolved.config, os.environ, chosen.count)
+        )
         if resolved.config.max_restarts:  # torch elastic restarts them: its agent, here
             placement = place_here(resolved.config, world_size, xla=xla is not None)
     checks.check_log_ranks(resolved.config, world_size)
@@ -109,13 +118,20 @@ def plan(
         run_id=time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3),
         resolved=resolved,
         xla=xla,
-        gpus=gpus,
+        gpus=chosen.count,
         world_size=world_size,
         payload=build_payload(function, tuple(args), kwargs or {}, resolved.config),
-        env=dict(os.environ),
+        env=dict(os.environ) | chosen.worker_env(),  # gpu_ids: the workers see only those
         cwd=os.getcwd(),
         placement=placement,
     )
+
+
+def _choose_gpus(resolved: Resolved, *, cpu: bool) -> GpuChoice:
+    """The GPUs this machine's workers use (``gpu_ids``, checked against what is visible)."""
+    visible = None if cpu else visible_gpu_count(os.environ)
+    source = resolved.sources["gpu_ids"]
+    return choose_gpus(resolved.config.gpu_ids, os.environ, visible=visible, source=source)
 
 
 def warm_planning() -> None:
@@ -172,21 +188,32 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None  # looks, never imports
 
 
-def plan_world_size(config: Config, env: Mapping[str, str], gpus: int | None = None) -> int:
-    """Worker count for this machine, checked against the TPU or GPUs that are visible."""
+def plan_world_size(config: Config, env: Mapping[str, str], visible: int | None = None) -> int:
+    """Worker count for this machine, checked against the TPU or GPUs that are visible.
+    ``visible``: the GPUs ``env`` leaves visible, when already counted (NVML is slow)."""
     xla = plan_xla_launch(config, env)
-    return xla.world_size if xla is not None else _gpu_world_size(config, env, gpus)
+    if xla is not None:
+        return xla.world_size
+    if config.use_cpu:
+        visible = None
+    elif visible is None:
+        visible = visible_gpu_count(env)
+    return _gpu_world_size(config, env, choose_gpus(config.gpu_ids, env, visible=visible).count)
 
 
-def _gpu_world_size(config: Config, env: Mapping[str, str], gpus: int | None) -> int:
-    if gpus is None:
-        gpus = 0 if config.use_cpu else visible_gpu_count(env)
+def _gpu_world_size(config: Config, env: Mapping[str, str], gpus: int) -> int:
+    """Worker count for this machine, where the run's processes use ``gpus`` GPUs."""
     check_environment(config, gpus, _installed)
     if config.num_processes is None:
         return max(gpus, 1)
     if not gpus:
         checks.check_oversubscription(config, config.num_processes, usable_cpu_cores())
     checks.check_gpus_suffice(
-        config.num_processes, gpus, env, asked=f"num_processes={config.num_processes}", most=gpus
+        config.num_processes,
+        gpus,
+        env,
+        asked=f"num_processes={config.num_processes}",
+        most=gpus,
+        gpu_ids=config.gpu_ids,
     )
     return config.num_processes

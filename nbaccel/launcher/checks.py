@@ -104,16 +104,30 @@ def check_log_ranks(config: Config, world_size: int) -> None:
 
 
 def check_gpus_suffice(
-    processes: int, gpus: int, env: Mapping[str, str], *, asked: str, most: int
+    processes: int,
+    gpus: int,
+    env: Mapping[str, str],
+    *,
+    asked: str,
+    most: int,
+    gpu_ids: str = "all",
 ) -> None:
-    """Refuse more processes on this machine than it has visible GPUs (none: CPU processes).
-    ``asked`` says how the setting reads, ``most`` the largest ``num_processes`` that fits.
+    """Refuse more processes on this machine than it has visible GPUs (none: CPU processes),
+    or than ``gpu_ids`` names. ``asked`` says how the setting reads, ``most`` the largest
+    ``num_processes`` that fits.
 
     >>> check_gpus_suffice(3, 2, {}, asked="num_processes=3", most=2)
     Traceback (most recent call last):
     ...
     nbaccel.errors.ConfigError: num_processes=3 asks for 3 process(es) on this machine, but only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=unset). Use num_processes<=2, or use_cpu=True to run CPU processes instead.
     """  # noqa: E501
+    if gpus and processes > gpus and gpu_ids != "all":
+        raise ConfigError(
+            f"{asked} asks for {processes} process(es) on this machine, but gpu_ids="
+            f"{gpu_ids!r} names {gpus} GPU(s), one for each process. Use num_processes<="
+            f"{most}, name more GPUs in gpu_ids, or use_cpu=True to run CPU processes instead.",
+            field="num_processes",
+        )
     if gpus and processes > gpus:
         raise ConfigError(
             f"{asked} asks for {processes} process(es) on this machine, but only {gpus} GPU(s) are "

@@ -59,6 +59,7 @@ def attach_dashboard(
         env=os.environ,
         xla_device=run.xla_device,
         remote=bool(run.config.hosts),  # the workers there report their own memory
+        gpu_ids=run.config.gpu_ids,  # the GPUs the workers see among the kernel's
     )
     # The sampler's callback finds the dashboard when it first runs (after the run starts).
     sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))

@@ -8,7 +8,9 @@ checks, Accelerate's enums, plugins and kwargs handlers, and DeepSpeed's ``Dummy
 parallelism, fp8 recipes) imports fine and raises ``NotImplementedError`` with the reason when
 used. The names load on first use, so ``import nbaccel.utils`` in a notebook kernel does not
 import torch, and neither do the enums, plugins, handlers, ``DummyOptim``/``DummyScheduler``,
-``write_basic_config`` and the ``is_*_available`` package checks.
+``write_basic_config`` and the ``is_*_available`` package checks. The others (``set_seed``,
+``gather``, ...) come to a kernel as stand-ins that import torch when first called
+(``nbaccel.lazy_names``); a function sent to the workers gets the real ones.
 
 >>> from nbaccel.utils import set_seed, gather_object
 >>> set_seed(0)
@@ -18,8 +20,9 @@ import torch, and neither do the enums, plugins, handlers, ``DummyOptim``/``Dumm
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from nbaccel import lazy_names
 
 if TYPE_CHECKING:
     from nbaccel.accel.data.skip_batches import skip_first_batches
@@ -31,9 +34,14 @@ if TYPE_CHECKING:
         TERecipeKwargs,
         TorchTensorParallelPlugin,
     )
-    from nbaccel.accel.state import DistributedType
     from nbaccel.config.accelerate.configs import DataLoaderConfiguration, ProjectConfiguration
-    from nbaccel.config.accelerate.enums import DynamoBackend, LoggerType, PrecisionType, RNGType
+    from nbaccel.config.accelerate.enums import (
+        DistributedType,
+        DynamoBackend,
+        LoggerType,
+        PrecisionType,
+        RNGType,
+    )
     from nbaccel.config.accelerate.fsdp_plugin import FullyShardedDataParallelPlugin
     from nbaccel.config.accelerate.kwargs_handlers import (
         AutocastKwargs,
@@ -98,7 +106,7 @@ _HANDLERS = (
 )
 # Each name, by the module that defines it (imported on first use).
 _DEFINED_IN = {
-    "DistributedType": "nbaccel.accel.state",
+    "DistributedType": "nbaccel.config.accelerate.enums",
     "skip_first_batches": "nbaccel.accel.data.skip_batches",
     **dict.fromkeys(
         (
@@ -171,7 +179,9 @@ _DEFINED_IN = {
 
 def __getattr__(name: str) -> Any:
     if name in _DEFINED_IN:
-        return getattr(importlib.import_module(_DEFINED_IN[name]), name)
+        # A stand-in while the defining module would import torch into a kernel (set_seed,
+        # gather, ...): it loads on first use, and a worker unpickles the real function.
+        return lazy_names.load(_DEFINED_IN[name], name, package=__name__)
     raise AttributeError(f"module 'nbaccel.utils' has no attribute {name!r}")
 
 

@@ -1,13 +1,13 @@
 """The layers of DESIGN.md §2, one way down, read from the source with ``ast``.
 
-    entry points   nbaccel (the package), nbaccel.launching, nbaccel.detached_runs,
-                   nbaccel.cli, nbaccel.ui, demo,
+    entry points   nbaccel (the package and its __main__), nbaccel.launching,
+                   nbaccel.detached_runs, nbaccel.cli, nbaccel.ui, demo,
                    and the worker-side facades of Accelerate's modules: nbaccel.utils,
                    nbaccel.logging (they may import nbaccel.accel; nothing imports them)
     sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
     base           nbaccel.config, errors, events, unpickling, context, devices, env_names,
-                   xla_plan, metrics, memory_estimate: plain data, importing no side and no
-                   entry point
+                   xla_plan, metrics, memory_estimate, lazy_names: plain data, importing no
+                   side and no entry point
 
 Every import counts, also those inside functions (a lazy import is still a dependency).
 Besides: the parent side never imports torch at module level, so ``import nbaccel`` and a
@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "nbaccel"
 
 ENTRY = (
     "nbaccel",
+    "nbaccel.__main__",
     "nbaccel.launching",
     "nbaccel.detached_runs",
     "nbaccel.cli",
@@ -49,6 +50,7 @@ BASE = (
     "nbaccel.metrics",
     "nbaccel.step_board",
     "nbaccel.memory_estimate",
+    "nbaccel.lazy_names",
 )
 # Worker-side modules of the launcher: they run in the workers (forked from the helper),
 # so they may import torch; none of them is imported by the parent side.

@@ -21,3 +21,9 @@ def test_dir_lists_the_names_not_loaded_yet() -> None:
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="module 'nbaccel' has no attribute 'lanuch'"):
         nbaccel.lanuch  # noqa: B018 - the typo is the point
+
+
+def test_dir_shows_no_typing_helpers() -> None:
+    # What the package imports for its own annotations is private, not part of its names.
+    public = {name for name in dir(nbaccel) if not name.startswith("_")}
+    assert not public & {"Any", "TYPE_CHECKING"}

@@ -64,7 +64,6 @@ _ONLY_DEFAULT = {
     "debug": (False, None),
     "tpu_use_cluster": (False, None),
     "tpu_use_sudo": (False, None),
-    "gpu_ids": ("all", None),
     "compute_environment": ("LOCAL_MACHINE", None),
 }
 _IGNORED = {
@@ -152,8 +151,7 @@ def from_accelerate_yaml(data: Mapping[str, Any], origin: str) -> dict[str, Any]
             if value not in _ONLY_DEFAULT[key]:
                 raise ConfigError(
                     f"{where}={value!r} is not supported by nbaccel (only "
-                    f"{_ONLY_DEFAULT[key][0]!r}). Remove the key"
-                    + (", and choose GPUs with CUDA_VISIBLE_DEVICES." if key == "gpu_ids" else "."),
+                    f"{_ONLY_DEFAULT[key][0]!r}). Remove the key.",
                     field=key,
                 )
         elif key in _IGNORED:
@@ -164,8 +162,8 @@ def from_accelerate_yaml(data: Mapping[str, Any], origin: str) -> dict[str, Any]
             values.update(_nested(value or {}, _DEEPSPEED, _DEEPSPEED_TOLERATED, where))
         elif key == "dynamo_config":
             values.update(_dynamo(value or {}, where))
-        elif key == "main_process_ip" and value is None:
-            continue
+        elif key in ("main_process_ip", "gpu_ids") and value is None:
+            continue  # Accelerate's "not set" (gpu_ids: every GPU)
         else:
             values[key] = value
     if values.get("strategy") == "ddp" and data.get("distributed_type") == "MULTI_CPU":

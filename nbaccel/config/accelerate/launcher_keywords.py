@@ -3,10 +3,11 @@
 ``accelerate.notebook_launcher(f, args, num_processes, mixed_precision, use_port,
 master_addr, node_rank, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id,
 max_restarts, monitor_interval, log_line_prefix_template)``: a cell written for it runs under
-``nbaccel.notebook_launcher`` unchanged. Keywords that name a schema field are renamed to it
-(``use_port`` -> ``main_process_port``, so ``config show`` and every check see them); the
-elastic agent's own knobs are accepted where nbaccel already does what they ask and refused,
-with the reason, where it does not. Never ignored. Plain data, stdlib only.
+``nbaccel.notebook_launcher`` unchanged, with these given by keyword or by position (nbaccel's
+launchers take them in this order: ``POSITIONAL``). Keywords that name a schema field are
+renamed to it (``use_port`` -> ``main_process_port``, so ``config show`` and every check see
+them); the elastic agent's own knobs are accepted where nbaccel already does what they ask
+and refused, with the reason, where it does not. Never ignored. Plain data, stdlib only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,22 @@ from typing import Any
 
 from nbaccel.errors import ConfigError
 
+# accelerate.notebook_launcher's parameters after (function, args, num_processes), in its
+# order: nbaccel's launchers take them at the same positions (and as keywords).
+POSITIONAL = (
+    "mixed_precision",
+    "use_port",
+    "master_addr",
+    "node_rank",
+    "num_nodes",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_conf",
+    "rdzv_id",
+    "max_restarts",
+    "monitor_interval",
+    "log_line_prefix_template",
+)
 # Accelerate's keyword -> the schema field that means the same thing.
 RENAMED = {
     "use_port": "main_process_port",
@@ -42,6 +59,16 @@ _FOR_SEVERAL_MACHINES = (
     "master_addr=<machine 0>, use_port=<port> (Accelerate's form), or drive them all from "
     "one cell with hosts=[...] (docs/multi-machine.md)."
 )
+
+
+def given_arguments(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """Those of Accelerate's launcher parameters (``POSITIONAL``) that a call gave: nbaccel's
+    launchers default them to None, "not given", so the config file and env still count.
+
+    >>> given_arguments({"mixed_precision": "bf16", "use_port": None, "function": print})
+    {'mixed_precision': 'bf16'}
+    """
+    return {name: parameters[name] for name in POSITIONAL if parameters.get(name) is not None}
 
 
 def from_accelerate_keywords(given: Mapping[str, Any]) -> dict[str, Any]:

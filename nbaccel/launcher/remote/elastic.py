@@ -17,7 +17,8 @@ from pathlib import Path
 
 from nbaccel.config.accelerate.compat import accelerate_env
 from nbaccel.config.schema import Config
-from nbaccel.devices import usable_cpu_cores, visible_gpu_count
+from nbaccel.devices import choose_gpus, usable_cpu_cores, visible_gpu_count
+from nbaccel.launcher.checks import check_gpus_suffice
 
 DEFAULT_MULTINODE_PORT = 29500
 
@@ -31,8 +32,15 @@ def launch_machines(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    gpus = 0 if config.use_cpu else visible_gpu_count(os.environ)
+    visible = None if config.use_cpu else visible_gpu_count(os.environ)
+    chosen = choose_gpus(config.gpu_ids, os.environ, visible=visible)
+    gpus = chosen.count
     per_machine = config.processes_per_machine(gpus)
+    asked = f"num_processes={config.num_processes} over num_machines={config.num_machines}"
+    most = gpus * config.num_machines
+    check_gpus_suffice(
+        per_machine, gpus, os.environ, asked=asked, most=most, gpu_ids=config.gpu_ids
+    )
     port = config.main_process_port or DEFAULT_MULTINODE_PORT
     endpoint = f"{config.main_process_ip}:{port}"
     launch_config = LaunchConfig(
@@ -52,7 +60,7 @@ def launch_machines(
         log_line_prefix_template="[rank ${rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.NONE, tee=Std.ALL),
     )
-    worker_env = accelerate_env(config, on_cpu=config.use_cpu or not gpus)
+    worker_env = accelerate_env(config, on_cpu=config.use_cpu or not gpus) | chosen.worker_env()
     worker_env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpu_cores() // per_machine)))
     args = ["-u", "-m", "nbaccel.launcher.bootstrap.script", json.dumps(worker_env)]
     args += ["-m", target] if is_module else [target]

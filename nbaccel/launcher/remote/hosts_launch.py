@@ -108,6 +108,8 @@ def local_worker_env(config: Config, planned: Planned) -> dict[str, str]:
     torch.distributed variables, which elastic sets. gloo and NCCL bind to the loopback
     interface: nothing of a one-machine run listens on the machine's network addresses."""
     env = accelerate_env(config, on_cpu=not planned.gpus)
+    if config.gpu_ids != "all":  # the GPUs chosen (api.plan put them in the plan's env)
+        env["CUDA_VISIBLE_DEVICES"] = planned.env["CUDA_VISIBLE_DEVICES"]
     threads = planned.env.get("OMP_NUM_THREADS")
     env["OMP_NUM_THREADS"] = threads or str(max(1, usable_cpu_cores() // planned.world_size))
     env["PYTHONUNBUFFERED"] = "1"
@@ -145,6 +147,7 @@ def place_machine_of_job(
         env,
         asked=f"num_processes={config.num_processes} over num_machines={config.num_machines}",
         most=gpus * config.num_machines,
+        gpu_ids=config.gpu_ids,
     )
     port = config.main_process_port or DEFAULT_MULTINODE_PORT
     job = JobMachine(config.num_machines, config.machine_rank, config.main_process_ip, port)

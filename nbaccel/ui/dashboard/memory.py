@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from nbaccel.devices import choose_gpus
+from nbaccel.errors import ConfigError
 from nbaccel.events import DeviceMemory
 from nbaccel.ui.dashboard.model import MemoryReading
 
@@ -263,11 +265,14 @@ def memory_source(
     env: Mapping[str, str],
     xla_device: str | None = None,
     remote: bool = False,
+    gpu_ids: str = "all",
 ) -> MemorySource:
     """The right source for a run: NVML when it uses GPUs, worker reports for XLA and for
     ranks on other machines (``remote``: ``hosts=``), else psutil.
 
     ``xla_device``: the PJRT device ("TPU", "CPU") of a launch through torch_xla, else None.
+    ``env``: the launching process's environment; ``gpu_ids``: the run's, which narrowed the
+    GPUs its workers see (the readings follow them: rank r on the r-th of ``gpu_ids``).
 
     >>> memory_source(world_size=2, gpus=0, strategy="auto", pids=dict, env={}).read()
     []
@@ -281,8 +286,20 @@ def memory_source(
         return ReportedMemory(world_size, xla_device)
     processes = ProcessMemory(pids)
     if gpus:
-        return NvmlMemory(min(gpus, world_size), env, fallback=processes)
+        return NvmlMemory(min(gpus, world_size), _workers_env(env, gpu_ids), fallback=processes)
     return processes
+
+
+def _workers_env(env: Mapping[str, str], gpu_ids: str) -> Mapping[str, str]:
+    """``env`` with the ``CUDA_VISIBLE_DEVICES`` the workers got from ``gpu_ids``.
+
+    >>> _workers_env({"CUDA_VISIBLE_DEVICES": "4,5,6"}, "2,0")["CUDA_VISIBLE_DEVICES"]
+    '6,4'
+    """
+    try:
+        return {**env, **choose_gpus(gpu_ids, env, visible=None).worker_env()}
+    except ConfigError:  # the launch checked it; an env changed since: read what it says
+        return env
 
 
 class MemorySampler:

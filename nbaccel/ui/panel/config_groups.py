@@ -36,7 +36,7 @@ GROUPS = (
         "processes",
         "Processes and machines",
         (
-            *("num_processes", "allow_oversubscribe", "use_cpu", "num_machines"),
+            *("num_processes", "allow_oversubscribe", "use_cpu", "gpu_ids", "num_machines"),
             *("machine_rank", "main_process_ip", "main_process_port", "rdzv_timeout"),
             *("hosts", "ssh_options", "remote_python", "max_restarts"),
         ),
@@ -106,8 +106,9 @@ class Machine:
 MACHINE_RELEVANT: dict[str, Callable[[Machine, Mapping[str, Any]], bool]] = {
     # torch_xla starts its workers only on TPUs (or with PJRT_DEVICE), or with strategy xla.
     "xla_start_method": lambda machine, values: machine.xla or values["strategy"] == "xla",
-    # Without a GPU every run is a CPU run already.
+    # Without a GPU every run is a CPU run already, and there is no GPU to choose.
     "use_cpu": lambda machine, values: machine.gpus > 0 or machine.xla,
+    "gpu_ids": lambda machine, values: machine.gpus > 0,
 }
 
 

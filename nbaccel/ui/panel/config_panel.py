@@ -238,9 +238,8 @@ class ConfigPanel:
         config, general = cw.validate(values, problems)
         machine: dict[str, str] = {}
         if config is not None:
-            gpus = 0 if config.use_cpu else self._gpus
             try:
-                plan_world_size(config, self._env, gpus)
+                plan_world_size(config, self._env, self._gpus)
             except ConfigError as error:  # valid, but not here: Save and the command still work
                 machine[error.field or ""] = f"On this machine: {error}"
         hidden_here: list[str] = []  # applies, but cannot matter on this machine

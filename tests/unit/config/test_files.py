@@ -143,7 +143,6 @@ def test_accelerate_deepspeed_dynamo_and_machines() -> None:
     ("data", "fragment"),
     [
         ({"distributed_type": "MEGATRON_LM"}, "supports distributed_type NO, MULTI_CPU"),
-        ({"distributed_type": "MULTI_GPU", "gpu_ids": "0,1"}, "CUDA_VISIBLE_DEVICES"),
         (
             {"distributed_type": "NO", "downcast_bf16": "yes"},
             "downcast_bf16='yes' is not supported",

@@ -474,6 +474,23 @@ def test_nvml_reads_the_gpus_the_ranks_use() -> None:
     assert readings[1] == MemoryReading("cuda:1 (GPU 3)", len("index-3") * 2**20, None, 80 * 2**30)
 
 
+def test_the_readings_follow_gpu_ids_among_the_kernels_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The kernel sees GPUs 4, 5, 6; gpu_ids="2,0" gives rank 0 GPU 6 and rank 1 GPU 4.
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    run = FakeRun(world_size=2, gpu_ids="2,0")
+    dash = attach_dashboard(run, blocking=True, gpus=2, show=False)  # type: ignore[arg-type]
+    assert dash._sampler is not None
+    readings = dash._sampler.sample()
+    assert [r.device for r in readings] == ["cuda:0 (GPU 6)", "cuda:1 (GPU 4)"]
+    every = FakeRun(world_size=2)  # all: the kernel's own list
+    dash = attach_dashboard(every, blocking=True, gpus=2, show=False)  # type: ignore[arg-type]
+    assert dash._sampler is not None
+    assert [r.device for r in dash._sampler.sample()] == ["cuda:0 (GPU 4)", "cuda:1 (GPU 5)"]
+
+
 def test_without_nvml_gpu_runs_fall_back_to_process_memory() -> None:
     fallback = ProcessMemory(lambda: {0: os.getpid()})
     [reading] = NvmlMemory(1, {}, nvml=FakeNvml(fail=True), fallback=fallback).read()

@@ -84,7 +84,7 @@ def test_the_panel_shows_the_groups_with_advanced_collapsed() -> None:
         "dynamo_backend",
     ]
     # Fields it hid because of this machine are named, with the reason.
-    assert "use_cpu, xla_start_method" in panel.hidden_note.value
+    assert "use_cpu, gpu_ids, xla_start_method" in panel.hidden_note.value
     assert "no GPU, no TPU" in panel.hidden_note.value
 
 

@@ -424,3 +424,19 @@ def test_a_panel_passed_as_config_runs_what_it_shows_over_env_and_files() -> Non
     resolved = resolve({}, env={"NBACCEL_MIXED_PRECISION": "bf16"}, config=panel)
     assert resolved.config.mixed_precision == "no"  # the panel shows "no": env must not win
     assert resolved.sources["mixed_precision"] == "config panel"
+
+
+def test_gpu_ids_has_its_row_with_processes_and_is_checked_against_this_machine() -> None:
+    panel = panel_(train, args=(1,))
+    assert group_of(panel.rows["gpu_ids"].option).key == "processes"
+    assert not shown(panel.rows["gpu_ids"].box)  # no GPU here: nothing to choose
+    panel.show_all.value = True
+    assert shown(panel.rows["gpu_ids"].box)
+    panel.inputs["gpu_ids"].value = "1,1"
+    assert "names GPU 1 twice" in panel.problems["gpu_ids"]
+    panel.inputs["gpu_ids"].value = "1,0"
+    assert panel.config.gpu_ids == "1,0"
+    assert "On this machine" in panel.problems["gpu_ids"]  # no GPU is visible here
+    assert "no GPU is visible here" in panel.problems["gpu_ids"]
+    panel.inputs["use_cpu"].value = True  # CPU processes: the wizard skips it, as the panel
+    assert not shown(panel.rows["gpu_ids"].box) and panel.config.gpu_ids == "all"
