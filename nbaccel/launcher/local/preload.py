@@ -165,7 +165,8 @@ class Preloader:
     """The helper's list of libraries to preload, and whether forking is still safe.
 
     ``ask`` adds names (each once, however often asked); ``run`` imports them in order,
-    checked, between ``between()`` calls (the helper serves requests that waited there),
+    checked, each after a ``begin()`` and before a ``between()`` call (the helper notes the
+    files it loaded there: ``installed_files``),
     replies ``preload_refused`` for each refused library (``unsafe``: the helper must not
     fork again) and leaves in ``report`` the ``preloaded`` message, with the helper's
     memory, which the helper sends once its spares are as new as its imports.
@@ -194,6 +195,7 @@ class Preloader:
         reply: Callable[[dict[str, Any]], None],
         between: Callable[[], None],
         held: Callable[[], frozenset[str]] = frozenset,
+        begin: Callable[[], None] = lambda: None,
     ) -> None:
         import psutil
 
@@ -209,6 +211,7 @@ class Preloader:
                 capped = True  # what is left, the workers import themselves
                 self.pending.clear()
                 break
+            begin()
             why = import_checked(name, Hazards.now(), held)
             if why is not None and why.startswith("handlers: "):
                 forget(name)  # its handlers are undone; workers import it afresh
