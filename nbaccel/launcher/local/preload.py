@@ -186,9 +186,11 @@ class Preloader:
         return bool(self.pending) and self.unsafe is None
 
     def ask(self, names: list[str]) -> None:
+        """Add names to import; those already imported are done at once (a launch waits
+        only for what is really still to be imported)."""
         fresh = [name for name in names if name not in self.asked]
         self.asked.update(fresh)
-        self.pending += fresh
+        self.pending += [name for name in fresh if name not in sys.modules]
 
     def run(
         self,

@@ -260,8 +260,10 @@ class WarmUp:
         """Requests and exits, from the timer, in the middle of an import.
 
         A spawn goes to a spare forked before the import (a fork now would copy a half-run
-        import into the worker); without a spare, or while libraries asked for are imported
-        or still to be, it waits in ``deferred`` for the import's end. Stops, offers and a
+        import into the worker); without a spare, or while libraries asked for are being
+        imported, it waits in ``deferred`` for the import's end (during the helper's own
+        warm-up, WARM_LATER, it does not wait: that may take seconds, and is no library the
+        launch asked for). Stops, offers and a
         ``succeed`` are answered at once (``ANSWERED_MID_IMPORT``). While a launch's workers
         run, stay here up to MAX_PAUSE_SECONDS: the import waits and leaves a short launch
         the CPU; a long run gets the import done in its first seconds, so the next launch
@@ -284,7 +286,7 @@ class WarmUp:
                     raise _ParentGone
                 if message["op"] in ANSWERED_MID_IMPORT:
                     self.handle(message, fds)
-                elif self.deferred or self.preloading or self.preloader.wanted or not self.spares:
+                elif self.deferred or self.preloading or not self.spares:
                     self.deferred.append((message, fds))
                 else:
                     self.handle(message, fds)
