@@ -21,6 +21,7 @@ STAND_INS = {
     "cudaish.py": "import torch\ntorch.cuda.is_initialized = lambda: True  # says it did\n",
     "handlery.py": "import signal\nsignal.signal(signal.SIGUSR2, lambda *a: None)\n",
     "quiet_lib.py": "VALUE = 'from the helper'\n",
+    "worker_lib.py": "VALUE = 'only the workers import it'\n",
 }
 
 DRIVER_HEAD = """
@@ -76,6 +77,29 @@ print(json.dumps({"first": first, "second": second}))
     # The launch offered it before asking for workers: the helper imported it first (the
     # workers would have, each on its own), then forked them; the same for later launches.
     assert result == {"first": True, "second": True}
+
+
+def test_launches_back_to_back_from_a_script_find_its_libraries_and_their_workers(
+    tmp_path: Path,
+) -> None:
+    # A sweep in a plain script: launch after launch, never a pause for the helper to be
+    # idle in. The script's own libraries are in every launch's workers; what the first
+    # launch's workers imported (rank 0 tells) is in the second's.
+    result, _ = drive(
+        tmp_path,
+        """
+import quiet_lib
+
+def both():
+    import sys
+    had = ["quiet_lib" in sys.modules, "worker_lib" in sys.modules]
+    import worker_lib
+    return had
+
+print(json.dumps([launch(both) for _ in range(3)]))
+""",
+    )
+    assert result == [[True, False], [True, True], [True, True]]
 
 
 def test_a_library_imported_later_is_preloaded_for_the_launch_that_offers_it(
