@@ -9,10 +9,13 @@ interrupts do not reach it.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,27 +23,55 @@ from nbaccel.launcher import control
 
 
 class Adopted:
-    """The process of a successor helper: the old helper forked it, so it is not our child
-    and is waited for by polling (psutil), with ``subprocess.Popen``'s names."""
+    """The process of a successor helper, with ``subprocess.Popen``'s names: the old helper
+    forked it, so it is not our child. Watched through a pidfd, taken while it runs (its
+    pid may be reused once it is gone); where there is none, by polling its pid."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self._pidfd: int | None = None
+        self._gone = False
+        try:
+            self._pidfd = os.pidfd_open(pid)
+            weakref.finalize(self, os.close, self._pidfd)  # waited for by two threads: kept
+        except ProcessLookupError:
+            self._gone = True
+        except (AttributeError, OSError):
+            pass  # no pidfd here: poll
 
     def wait(self, timeout: float | None = None) -> int | None:
-        import psutil
-
-        try:
-            return psutil.Process(self.pid).wait(timeout)
-        except psutil.NoSuchProcess:
-            return None
-        except psutil.TimeoutExpired:
-            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0) from None
+        """Wait until it has exited; its exit code is its parent's to read (None)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._gone:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._pidfd is not None:
+                self._gone = bool(select.select([self._pidfd], [], [], left)[0])
+            else:
+                self._gone = not _exists(self.pid)
+                if not self._gone and left != 0.0:
+                    time.sleep(min(0.01, left or 0.01))  # polling: no pidfd to wait on
+            if not self._gone and left == 0.0:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+        return None
 
     def kill(self) -> None:
         try:
-            os.kill(self.pid, signal.SIGKILL)
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif not self._gone:
+                os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def start(env: Mapping[str, str]) -> tuple[socket.socket, subprocess.Popen[bytes]]:
