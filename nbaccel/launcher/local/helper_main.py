@@ -171,6 +171,8 @@ class Helper(WarmUp):
             self.spawn(message, fds)
         elif message["op"] == "preload":
             self.preloader.ask(message["modules"])
+            if not self.preloader.pending and not self.preloading and self.held_report is None:
+                self.reply(self.preloader.progress())  # all imported already: nothing to wait
         elif message["op"] == "signal":
             self.signal(message)
         elif message["op"] == "succeed":

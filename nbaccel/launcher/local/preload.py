@@ -185,6 +185,11 @@ class Preloader:
         """Whether there is something to import, and forking is still safe."""
         return bool(self.pending) and self.unsafe is None
 
+    def progress(self) -> dict[str, Any]:
+        """The last ``preloaded`` report, brought up to date: names dealt with so far."""
+        asked = len(self.asked) - len(self.pending)
+        return {**self.report, "op": "preloaded", "asked": asked, "modules": len(sys.modules)}
+
     def ask(self, names: list[str]) -> None:
         """Add names to import; those already imported are done at once (a launch waits
         only for what is really still to be imported)."""

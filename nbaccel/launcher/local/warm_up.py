@@ -231,7 +231,7 @@ class WarmUp:
             self.spares.remove((pid, channel))
         self.stale.clear()
         if self.held_report is not None:
-            self.reply(self.held_report)
+            self.reply({**self.held_report, "asked": self.preloader.progress()["asked"]})
             self.held_report = None
 
     def held_sockets(self) -> frozenset[str]:

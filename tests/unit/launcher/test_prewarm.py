@@ -301,3 +301,16 @@ def test_after_warm_planning_a_first_plan_imports_nothing(warm: bool) -> None:
         assert imported == []
     else:
         assert imported, "a cold first plan imports something: else this test shows nothing"
+
+
+def test_an_offer_of_modules_already_imported_is_answered_at_once(
+    idle_helper: tuple[Helper, socket.socket],
+) -> None:
+    # Nothing to import, so no launch waits and no preload round will report it: the
+    # helper says at once that it has dealt with them (the kernel's wait_preloaded).
+    state, parent = idle_helper
+    state.in_tick = False
+    state.handle({"op": "preload", "modules": ["os", "json"]}, [])
+    assert not state.preloader.wanted
+    report, _ = control.receive(parent)
+    assert report["op"] == "preloaded" and report["asked"] == 2
