@@ -312,5 +312,6 @@ def test_an_offer_of_modules_already_imported_is_answered_at_once(
     state.in_tick = False
     state.handle({"op": "preload", "modules": ["os", "json"]}, [])
     assert not state.preloader.wanted
+    parent.settimeout(10.0)  # bounded: before, no answer came
     report, _ = control.receive(parent)
     assert report["op"] == "preloaded" and report["asked"] == 2
