@@ -94,6 +94,7 @@ class LoadedFiles:
         self._prefixes = site_prefixes(self.roots)
         self._modules = sys.modules if modules is None else modules
         self._seen: set[str] = set()
+        self._count = -1  # len(modules) when last looked at
         self._folders = folders_now(self.roots)
 
     def begin(self) -> None:
@@ -108,6 +109,9 @@ class LoadedFiles:
         torn = folders != self._folders
         self._folders = folders
         found: Noted = {}
+        if len(self._modules) == self._count:
+            return found  # nothing imported since (the helper's idle turns ask often)
+        self._count = len(self._modules)
         for name, module in list(self._modules.items()):
             if name in self._seen:
                 continue
