@@ -47,6 +47,12 @@ A **pure-torch** cell (kernel: ``import torch`` and the launcher only; the funct
 ``all_reduce``) is measured the same way for nbaccel and Accelerate: the trivial case must
 not pay for the preloading.
 
+**A script's loop** (``relaunch_script.py``): the same ``train`` in a plain ``python`` script
+that imports torch and transformers and calls the launcher ``--script-launches`` (5) times
+back to back, a sweep; nbaccel and Accelerate's fork, one script each per round. No kernel:
+no helper before the first launch, no watch of the imports, never a pause. Rows: the first
+launch, and the later ones; the launch-by-launch seconds are printed too.
+
 A reference kernel, ``nbaccel no-prewarm`` (``NBACCEL_PREWARM=0``: no helper until the
 first launch, no preloading), runs the import cell and one first launch each round: what the
 prewarm costs the import cell (its helper imports torch on the same cores meanwhile) and
@@ -65,7 +71,9 @@ rounds of the per-round ratio nbaccel / Accelerate (each round's kernels ran sid
 
 * warm relaunch <= 1.0 x Accelerate's (aim 0.8 x), back-to-back and with think time;
 * first launch after the import cell <= 1.2 x Accelerate's first, at 0 s and at think time;
-* pure-torch warm launch <= 0.5 x Accelerate's, back-to-back and with think time.
+* pure-torch warm launch <= 0.5 x Accelerate's, back-to-back and with think time;
+* a script's loop (issue 30): from the second launch <= 1.0 x Accelerate's, back to back
+  (the first launch is measured too: it must not get notably slower).
 
 The machine may be loaded and noisy: the load average is printed; compare ratios, rerun.
 
@@ -74,6 +82,7 @@ Usage::
     python benchmarks/relaunch_real_cell.py                # 3 rounds, 4 warm per kernel
     python benchmarks/relaunch_real_cell.py --quick        # smoke run: 1 round, 2 warm
     python benchmarks/relaunch_real_cell.py --rounds 5 --json samples.json
+    python benchmarks/relaunch_real_cell.py --only script --rounds 2   # the sweep only
 """
 
 from __future__ import annotations
@@ -91,6 +100,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_util import median, progress, seconds, verdict
+from relaunch_script import run_script_loop, script_per_launch, script_rows
 
 WORLD_SIZE = 2
 KERNEL_TIMEOUT_S = 120.0  # kernel start, and the import cell on a loaded machine
@@ -103,6 +113,7 @@ TARGET_WARM = 1.0
 AIM_WARM = 0.8
 TARGET_FIRST = 1.2
 TARGET_PURE = 0.5
+TARGET_SCRIPT = 1.0
 
 # The function a notebook defines: a tiny BERT from a config, one DDP training step.
 TRAIN_SOURCE = """
@@ -389,11 +400,14 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float, list[float]]]:
     kernel, relaunched back-to-back, then with think time."""
     back, think = [0.0] * args.warm, [args.think_warm] * args.warm
     kernels: list[tuple[str, float, list[float]]] = []
-    for way in ("nbaccel", "accelerate"):
-        kernels += [(way, 0.0, back), (way, args.think_first, think)]
-    kernels += [(way, 0.0, back + think) for way in ("nbaccel pure", "accelerate pure")]
-    kernels.append(("torchrun", 0.0, [0.0] * (args.torchrun - 1)))
-    kernels.append(("nbaccel no-prewarm", 0.0, []))
+    if args.only != "script":
+        for way in ("nbaccel", "accelerate"):
+            kernels += [(way, 0.0, back), (way, args.think_first, think)]
+        kernels += [(way, 0.0, back + think) for way in ("nbaccel pure", "accelerate pure")]
+        kernels.append(("torchrun", 0.0, [0.0] * (args.torchrun - 1)))
+        kernels.append(("nbaccel no-prewarm", 0.0, []))
+    if args.only != "kernels" and args.script_launches:
+        kernels += [("script nbaccel", 0.0, []), ("script accelerate", 0.0, [])]
     return kernels
 
 
@@ -409,7 +423,10 @@ def collect(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
                 f"round {index + 1}/{args.rounds}: {way}, first after {think_first:g} s, then"
                 f" pauses {pauses}  (load {os.getloadavg()[0]:.1f})"
             )
-            done.append(run_kernel(way, think_first, pauses))
+            if way.startswith("script "):
+                done.append(run_script_loop(way, TRAIN_SOURCE, args.script_launches))
+            else:
+                done.append(run_kernel(way, think_first, pauses))
             if "error" in done[-1]:
                 progress(f"  failed: {done[-1]['error'].splitlines()[0]}")
         rounds.append(done)
@@ -492,6 +509,7 @@ def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
         row = rows[f"{way} | import cell + first, 0 s"]
         if row["median"] is not None and accelerate:
             row["ratio"] = row["median"] / accelerate
+    rows.update(script_rows(rounds))
     return {name: row for name, row in rows.items() if row["n"] or row["fail"]}
 
 
@@ -534,6 +552,12 @@ def format_targets(rows: dict[str, dict[str, Any]], think_first: float) -> list[
         ),
         ("pure-torch warm, back-to-back", "nbaccel pure | warm, back-to-back", TARGET_PURE, ""),
         ("pure-torch warm, think time", "nbaccel pure | warm, think", TARGET_PURE, ""),
+        (
+            "script loop, back to back, 2nd launch on",
+            "nbaccel | script loop, 2nd on",
+            TARGET_SCRIPT,
+            "",
+        ),
     ]
     for text, name, limit, aim in goals:
         row = rows.get(name, {})
@@ -614,6 +638,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--think-first", type=float, default=3.0, help="s before 1st launch")
     parser.add_argument("--think-warm", type=float, default=1.5, help="s between relaunches")
     parser.add_argument("--json", metavar="PATH", help="write every raw sample here")
+    parser.add_argument(
+        "--script-launches", type=int, default=5, help="launches per script loop (0: none)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=("all", "kernels", "script"),
+        default="all",
+        help="run only the kernels' cases or only the script's loop",
+    )
     args = parser.parse_args(argv)
     defaults = (1, 2, 1) if args.quick else (3, 4, 2)
     for name, value in zip(("rounds", "warm", "torchrun"), defaults, strict=True):
@@ -646,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         + format_targets(rows, args.think_first)
         + format_first_state(rounds)
         + format_memory(rounds)
+        + script_per_launch(rounds)
         + errors(rounds)
     ):
         print(line)

@@ -8,7 +8,8 @@ spares forked and the Accelerator preloaded) and costs what a later one does.
 While the kernel imports (``ImportWatch``, a finder that finds nothing) and after every cell
 it runs, the helper is offered the installed libraries the kernel has imported by then
 (``helper.offer_libraries``): it imports them in the background, a step behind the kernel,
-so the launch after an import cell finds them loaded.
+so the launch after an import cell finds them loaded. After each cell it also checks that
+what the helper preloaded is still what is installed (``helper.renew_if_changed``).
 
 Only in a kernel: a plain script launches right after its imports, has nothing to gain and
 should not get a process it did not ask for. ``NBACCEL_PREWARM=0`` turns it off (the one
@@ -36,6 +37,7 @@ from nbaccel.launcher.local.helper import (
     HELPER_START_TIMEOUT_S,
     current_helper,
     offer_libraries,
+    renew_if_changed,
     shared_helper,
 )
 
@@ -131,6 +133,9 @@ def watch_cells() -> bool:
 
 def _after_cell(*_: object) -> None:
     try:
+        # A cell may have run ``pip install``: a helper holding what it replaced is replaced
+        # now (a few stat calls when nothing changed), so the next launch finds a new one.
+        renew_if_changed()
         helper = current_helper()
         if helper is not None:
             offer_libraries(helper)

@@ -21,6 +21,7 @@ STAND_INS = {
     "cudaish.py": "import torch\ntorch.cuda.is_initialized = lambda: True  # says it did\n",
     "handlery.py": "import signal\nsignal.signal(signal.SIGUSR2, lambda *a: None)\n",
     "quiet_lib.py": "VALUE = 'from the helper'\n",
+    "worker_lib.py": "VALUE = 'only the workers import it'\n",
 }
 
 DRIVER_HEAD = """
@@ -62,7 +63,7 @@ def drive(tmp_path: Path, body: str, timeout: float = 240) -> tuple[dict[str, ob
     return json.loads(last), done.stdout
 
 
-def test_a_library_the_kernel_imported_is_in_the_next_launchs_workers(tmp_path: Path) -> None:
+def test_a_library_the_kernel_imported_is_in_the_launchs_workers(tmp_path: Path) -> None:
     result, _ = drive(
         tmp_path,
         """
@@ -73,24 +74,49 @@ second = launch(already, "quiet_lib")
 print(json.dumps({"first": first, "second": second}))
 """,
     )
-    # The first launch's workers had to import it (the helper was busy with the launch);
-    # the second launch's were forked from a helper that had it.
-    assert result == {"first": False, "second": True}
+    # The launch offered it before asking for workers: the helper imported it first (the
+    # workers would have, each on its own), then forked them; the same for later launches.
+    assert result == {"first": True, "second": True}
 
 
-def test_a_library_imported_later_is_preloaded_for_the_launch_after_next(tmp_path: Path) -> None:
+def test_launches_back_to_back_from_a_script_find_its_libraries_and_their_workers(
+    tmp_path: Path,
+) -> None:
+    # A sweep in a plain script: launch after launch, never a pause for the helper to be
+    # idle in. The script's own libraries are in every launch's workers; what the first
+    # launch's workers imported (rank 0 tells) is in the second's.
+    result, _ = drive(
+        tmp_path,
+        """
+import quiet_lib
+
+def both():
+    import sys
+    had = ["quiet_lib" in sys.modules, "worker_lib" in sys.modules]
+    import worker_lib
+    return had
+
+print(json.dumps([launch(both) for _ in range(3)]))
+""",
+    )
+    assert result == [[True, False], [True, True], [True, True]]
+
+
+def test_a_library_imported_later_is_preloaded_for_the_launch_that_offers_it(
+    tmp_path: Path,
+) -> None:
     result, _ = drive(
         tmp_path,
         """
 before = launch(already, "quiet_lib")   # the helper exists, quiet_lib is not imported
 import quiet_lib                         # now the kernel has it
-offered = launch(already, "quiet_lib")   # this launch offers it to the helper
+offered = launch(already, "quiet_lib")   # this launch offers it, and waits for it
 preloaded()
 after = launch(already, "quiet_lib")
 print(json.dumps({"before": before, "offered": offered, "after": after}))
 """,
     )
-    assert result == {"before": False, "offered": False, "after": True}
+    assert result == {"before": False, "offered": True, "after": True}
 
 
 def test_what_the_last_launchs_workers_imported_is_preloaded_too(tmp_path: Path) -> None:
@@ -120,10 +146,11 @@ def test_a_library_unsafe_to_fork_with_is_refused_named_and_the_helper_replaced(
         tmp_path,
         f"""
 import {stand_in}
+old = helper_module.shared_helper()
 launch(already, "x")                      # offers {stand_in}; the helper refuses it
-old = preloaded()
+old.wait_preloaded(60)                    # returns once it is retired (bounded)
 replaced = not old.usable
-second = launch(already, "{stand_in}")    # a fresh helper, which never imports it
+second = launch(already, "{stand_in}")    # another helper, which never imports it
 new = helper_module.shared_helper()
 third = launch(already, "{stand_in}")     # never offered again: CHOICE refuses it
 print(json.dumps({{"replaced": replaced, "pids": [old.pid, new.pid], "old_alive": old.alive,

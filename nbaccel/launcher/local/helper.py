@@ -13,8 +13,16 @@ launch that comes meanwhile waits for that start instead of making a second help
 ``offer_libraries`` tells the helper which installed libraries this process (and the last
 launch's workers) imported, for it to preload before forking the next spares
 (``preload_choice`` picks them; the helper checks each). A library that made the helper
-unsafe to fork retires that helper: the next launch starts a fresh one that never imports
-it, and its text output says so.
+unsafe to fork retires that helper: the next launch gets one that never imports it, and its
+text output says so.
+
+Before each launch (in a kernel also after each cell) ``shared_helper`` checks with a few
+stat calls that the installed files the helper loaded are still those on disk
+(``installed_files``). If one changed (a ``pip install`` in the notebook), the helper retires
+and the launch's output says ``nbaccel: reloaded: NAME (changed on disk)``. A retired helper
+is replaced by its successor, forked before its first preload with torch imported (ready in
+milliseconds: ``successor``), or by a fresh helper where that is stale too; the replacement
+is asked for what the old one was, and imports it from the disk as it is now.
 """
 
 from __future__ import annotations
@@ -25,56 +33,50 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from nbaccel import unpickling
 from nbaccel.env_names import PREWARM_VAR
 from nbaccel.errors import HelperError
 from nbaccel.launcher import control
+from nbaccel.launcher.local.helper_start import Adopted, start
+from nbaccel.launcher.local.installed_files import Changed, InstalledCheck
 from nbaccel.launcher.local.preload_choice import PreloadChoice
 from nbaccel.launcher.starter import StarterListener
+
+# nbaccel's own worker-side modules, which CHOICE leaves out (the kernel's nbaccel modules
+# are not the workers'): preloaded when a launch's rank 0 imported them, as the helper does
+# of its own accord when idle (warm_up.WARM_LATER), which launches back to back never are.
+WORKER_MODULES = frozenset({"nbaccel.accel"})
 
 
 class HelperProcess:
     """A running helper and the channel to it."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self._sock, helper_end = control.socket_pair()
-        package_root = str(Path(__file__).resolve().parents[3])  # above nbaccel/launcher/local
-        helper_env = dict(env)
-        # The helper must never create a CUDA context: a forked worker could not use CUDA.
-        helper_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-        helper_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH", "")) if p
-        )
-        # No parent-death signal for the helper: the kernel may start it from a short-lived
-        # thread (the prewarm), and PR_SET_PDEATHSIG fires when that *thread* ends. The helper
-        # watches the kernel's pid and its socket instead.
-        try:
-            self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "nbaccel.launcher.local.helper_main",
-                    str(helper_end.fileno()),
-                    str(os.getpid()),
-                ],
-                pass_fds=[helper_end.fileno()],
-                env=helper_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,  # the kernel's interrupt must not reach it
-            )
-        finally:
-            helper_end.close()
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        *,
+        successor: tuple[int, socket.socket, InstalledCheck] | None = None,
+    ) -> None:
+        """Start a helper with ``env``; or, with ``successor`` (its pid, our socket, the
+        check of the files it holds), talk to the helper an old one's base became."""
+        self._process: subprocess.Popen[bytes] | Adopted
+        if successor is not None:
+            pid, self._sock, self._check = successor
+            self._process = Adopted(pid)
+        else:
+            self._check = InstalledCheck()  # site-packages before the helper imports
+            self._sock, self._process = start(env)
+        self._base: int | None = None  # its base (successor.py), once forked
+        self._base_paths: set[str] = set()  # the installed files the base holds
         self._send_lock = threading.Lock()
         self._listeners: dict[str, StarterListener] = {}
         self._listeners_lock = threading.Lock()
         self._failure: str | None = None
         self._alive = True
-        self._retired = False  # a preloaded library made it unsafe: no new launches here
+        self._closed = False
+        self._retired = False  # unsafe, or what it preloaded changed: no new launches here
         self._offered: set[str] = set()  # libraries asked for, each once
         self.preloaded: dict[str, Any] = {}  # the helper's last "preloaded" report
         self._preload_seen = threading.Condition()
@@ -95,6 +97,46 @@ class HelperProcess:
     def usable(self) -> bool:
         """Alive, and not retired by a library that made it unsafe to fork from."""
         return self._alive and not self._retired
+
+    @property
+    def offered(self) -> list[str]:
+        """The libraries asked for so far (what a replacement is asked for again)."""
+        return sorted(self._offered)
+
+    def changed_on_disk(self) -> Changed:
+        """The installed files it loaded that changed since (or may have); a few stat calls
+        while no site-packages folder changed (``installed_files``)."""
+        return self._check.changed()
+
+    def base_holds(self, paths: set[str]) -> bool:
+        """Whether its base holds any of these files (then a successor would be stale too)."""
+        return bool(paths & self._base_paths)
+
+    def succeed(self) -> HelperProcess | None:
+        """Ask the helper to hand its base our end of a new socket: the helper that base
+        becomes (not waited for: ``wait_ready``), or None without a base."""
+        if self._base is None or not self._alive:
+            return None
+        ours, theirs = control.socket_pair()
+        try:
+            self._send({"op": "succeed", "parent_pid": os.getpid()}, [theirs.fileno()])
+        except HelperError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        check = self._check.keeping(self._base_paths)
+        return HelperProcess({}, successor=(self._base, ours, check))
+
+    def retire(self) -> None:
+        """No new launch here; closed now if no run is in flight, else when the last ends."""
+        with self._preload_seen:
+            self._retired = True
+            self._preload_seen.notify_all()
+        with self._listeners_lock:
+            idle = not self._listeners
+        if idle:
+            threading.Thread(target=self.close, name="nbaccel-helper-close", daemon=True).start()
 
     def preload(self, names: list[str]) -> None:
         """Ask the helper to import these libraries once idle (each asked for once)."""
@@ -134,7 +176,8 @@ class HelperProcess:
     def offer_modules(self, modules: list[tuple[str, str | None]]) -> None:
         """What a launch's worker imported (name, file): the libraries among them are
         preloaded for the next launch (the ``WorkerStarter`` call the pump makes)."""
-        self.preload(CHOICE.choose_files(modules))
+        ours = [name for name, _ in modules if name in WORKER_MODULES]
+        self.preload(CHOICE.choose_files(modules) + ours)
 
     def spawn(self, request: dict[str, Any], fds: list[int]) -> None:
         """Ask for one worker; its exit code (or a spawn failure) goes to the run's listener."""
@@ -148,7 +191,11 @@ class HelperProcess:
         return None  # every worker runs on this machine
 
     def close(self) -> None:
-        """Stop the helper: it kills its workers and exits when the socket closes."""
+        """Stop the helper: it kills its workers and exits when the socket closes (once)."""
+        with self._listeners_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._alive = False
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -191,6 +238,12 @@ class HelperProcess:
             if op == "preload_refused":
                 self._refused(message)
                 continue
+            if op == "loaded":
+                self._check.note(message["files"])
+                continue
+            if op == "base":
+                self._base, self._base_paths = int(message["pid"]), self._check.paths()
+                continue
             if op == "failed":
                 self._failure = (
                     "the nbaccel helper process could not preload torch and nbaccel's worker "
@@ -227,16 +280,13 @@ class HelperProcess:
             f"not preloaded: {message['module']} ({message['why']}); workers import it "
             + ("themselves, and a fresh helper was started" if unsafe else "themselves")
         )
-        if unsafe:
+        if unsafe:  # replaced at once: the replacement is ready for the next launch
             with self._preload_seen:
                 self._retired = True
                 self._preload_seen.notify_all()
-            with self._listeners_lock:
-                idle = not self._listeners
-            if idle:
-                threading.Thread(
-                    target=self.close, name="nbaccel-helper-close", daemon=True
-                ).start()
+            threading.Thread(
+                target=_replace, args=(self,), name="nbaccel-renew", daemon=True
+            ).start()
 
 
 # Which of this process's modules may be preloaded (judged once each), and what the helper
@@ -283,11 +333,71 @@ def shared_helper(timeout: float = HELPER_START_TIMEOUT_S) -> HelperProcess:
             "start at import."
         )
     try:
-        if _shared is None or not _shared.usable:
+        if _shared is not None and _shared.usable:
+            _shared = _checked(_shared)
+        if _shared is None or not _shared.alive:
             _shared = HelperProcess(os.environ)
+        elif not _shared.usable:  # retired (unsafe) before its replacement was made
+            _shared = _replacement(_shared, set())
         return _shared
     finally:
         _shared_lock.release()
+
+
+def renew_if_changed() -> None:
+    """Replace the shared helper now if what it preloaded changed on disk (in a kernel,
+    after each cell: a ``pip install`` cell is followed by a pause, in which the successor
+    preloads). Never waits for another thread, never starts a first helper."""
+    global _shared
+    if not _shared_lock.acquire(blocking=False):
+        return  # a launch or the prewarm holds it: the launch checks itself
+    try:
+        if _shared is not None and _shared.usable:
+            _shared = _checked(_shared)
+    finally:
+        _shared_lock.release()
+
+
+# How long a launch waits for a successor's "ready" (a fork's child answering; the old
+# helper hands it the socket even mid-import) before it starts a fresh helper instead.
+SUCCESSOR_READY_TIMEOUT_S = 10.0
+
+
+def _checked(helper: HelperProcess) -> HelperProcess:
+    """``helper`` if every installed file it loaded is still on disk as it was, else its
+    replacement, with the notice for the next launch (under ``_shared_lock``)."""
+    changed = helper.changed_on_disk()
+    if not changed:
+        return helper
+    NOTICES.append(changed.notice())
+    return _replacement(helper, changed.paths)
+
+
+def _replacement(old: HelperProcess, stale: set[str]) -> HelperProcess:
+    """A helper to replace ``old``: its successor unless ``stale`` files are in its base
+    (or it has none, or it fails), else a fresh one; asked for what ``old`` was asked for
+    (never what was refused), read from the disk as it is now. ``old`` retires."""
+    new = old.succeed() if not old.base_holds(stale) else None
+    if new is not None and not new.wait_ready(SUCCESSOR_READY_TIMEOUT_S):
+        new.close()
+        new = None
+    if new is None:
+        new = HelperProcess(os.environ)
+    new.preload_wanted = old.preload_wanted
+    if new.preload_wanted:
+        new.preload([name for name in old.offered if not CHOICE.refused(name)])
+    old.retire()
+    return new
+
+
+def _replace(helper: HelperProcess) -> None:
+    """A library made ``helper`` unsafe: replaced now if it is the shared one."""
+    global _shared
+    with _shared_lock:
+        if _shared is helper:
+            _shared = _replacement(helper, set())  # which retires it
+        else:
+            helper.retire()  # closed once its runs end
 
 
 def current_helper() -> HelperProcess | None:

@@ -17,7 +17,10 @@ loop: a timer signal serves requests in the middle of those imports (handing the
 forked before, never forking mid-import), so a launch never waits for them. The same way,
 when idle, it imports the installed libraries the kernel asks it to preload (``preload``:
 what the kernel and the last launch's workers imported), checking after each that it can
-still fork (``preload.import_checked``), then replaces its spares with ones that have them.
+still fork (``preload.import_checked``), then replaces its spares with ones that have them;
+a launch that comes while some are still to be imported waits for them (``warm_up``). It
+tells the kernel which installed files it loaded (``installed_files``), and before its first
+preload forks a *base* that becomes its successor if the kernel retires it (``successor``).
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ from nbaccel.launcher.local.child_processes import (
     signal_group,
 )
 from nbaccel.launcher.local.exec_spare import start_exec_spare
+from nbaccel.launcher.local.installed_files import LoadedFiles
 from nbaccel.launcher.local.orphans import Orphans
 from nbaccel.launcher.local.preload import Preloader
+from nbaccel.launcher.local.successor import (
+    Become,
+    ParentWatch,
+    kill_descendants,
+    leave_old_helper,
+)
 from nbaccel.launcher.local.warm_up import PARENT_POLL_SECONDS, WarmUp, _ParentGone
 
 # What a worker needs to start: before "ready", so nothing else delays a first launch that
@@ -64,9 +74,16 @@ DEFERRED = 0
 
 
 class Helper(WarmUp):
-    def __init__(self, sock: socket.socket, parent_pid: int) -> None:
+    def __init__(
+        self, sock: socket.socket, parent: ParentWatch, files: LoadedFiles | None = None
+    ) -> None:
         self.sock = sock
-        self.parent_pid = parent_pid
+        self.parent = parent
+        self.files = LoadedFiles() if files is None else files  # what it tells the kernel
+        self.base: tuple[int, socket.socket] | None = None
+        self.based = False
+        self.successor: int | None = None
+        self.preloading = False
         self.workers: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank)
         self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
         # Spares forked before the last imports: still handed out when no newer one is left
@@ -98,7 +115,7 @@ class Helper(WarmUp):
             pass
 
     def _serve(self) -> None:
-        while os.getppid() == self.parent_pid:
+        while self.parent.alive():
             self._serve_deferred()
             # Make spares only when idle, one per turn, so requests are never kept waiting.
             idle = self.fresh_spares() >= self.wanted_spares or self.preloader.unsafe is not None
@@ -114,6 +131,8 @@ class Helper(WarmUp):
             if warm_soon and not warm_now:
                 timeout = WARM_UP_AFTER_QUIET_SECONDS - quiet_for
             ready = self._wait(timeout)
+            if not ready:
+                self.tell_loaded()  # what it imported at its start, or a worker's lazy import
             if not ready and not self.sized:
                 self.sized = True
                 self.wanted_spares = max(self.wanted_spares, first_spares())
@@ -152,16 +171,20 @@ class Helper(WarmUp):
             self.spawn(message, fds)
         elif message["op"] == "preload":
             self.preloader.ask(message["modules"])
+            if not self.preloader.pending and not self.preloading and self.held_report is None:
+                self.reply(self.preloader.progress())  # all imported already: nothing to wait
         elif message["op"] == "signal":
-            ranks = message.get("ranks")
-            for pid, (run_id, rank) in list(self.workers.items()):
-                if run_id == message["run"] and (ranks is None or rank in ranks):
-                    signal_group(pid, message["signal"])
+            self.signal(message)
+        elif message["op"] == "succeed":
+            self.hand_over(message, fds)
 
     def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
         # Processes this launch asks us for: its world size, or 1 for a torch_xla supervisor.
         processes = message.get("processes", message["context"].world_size)
         self.wanted_spares = min(MAX_SPARES, max(self.wanted_spares, processes))
+        if self.preloader.wanted and not self.in_tick and not self.preloading:
+            self.preload_first(message, fds)  # it is served from ``deferred`` after
+            return
         pid = self._hand_to_spare(message, fds)
         if pid == DEFERRED:
             return  # its fds stay open with it
@@ -216,10 +239,10 @@ class Helper(WarmUp):
             try:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGIO, signal.SIG_DFL)  # ignored here after an import
-                for fd in (self.wake_read, self.wake_write, *fds_to_close):
+                for fd in fds_to_close:
                     os.close(fd)
-                for other in (self.sock, ours, *(channel for _, channel in self.spares)):
-                    other.close()
+                ours.close()
+                self.close_in_child()
                 set_parent_death_signal(signal.SIGKILL)
                 message, fds = control.receive(theirs)
                 if message is not None:
@@ -270,8 +293,38 @@ class Helper(WarmUp):
                 self.orphans.end_run(run_id, time.monotonic())
 
     def known_children(self) -> set[int]:
-        """Children that are not orphans: workers and spares."""
-        return set(self.workers) | {pid for pid, _ in self.spares}
+        """Children that are not orphans: workers, spares, the base or our successor."""
+        ours = set(self.workers) | {pid for pid, _ in self.spares}
+        base = {self.base[0]} if self.base is not None else set()
+        return ours | base | ({self.successor} if self.successor is not None else set())
+
+    def close_in_child(self) -> None:
+        """In a forked child: close what only the helper may hold (the kernel's socket, our
+        wake-up pipe, spares' sockets, the fds of requests waiting)."""
+        for fd in (self.wake_read, self.wake_write):
+            os.close(fd)
+        for waiting in self.deferred:
+            for fd in waiting[1]:
+                os.close(fd)
+        for other in (self.sock, *(channel for _, channel in self.spares)):
+            other.close()
+        if self.base is not None:
+            self.base[1].close()  # or the base would not see EOF when we retire it
+
+    def become(self) -> Become:
+        """What our base runs when it succeeds us: it serves the kernel as we did."""
+        files = self.files
+
+        def become(message: dict[str, Any], fds: list[int]) -> int:
+            sock, parent = leave_old_helper(message, fds)
+            if not parent.alive():
+                return 0
+            files.begin()  # what it loads from now on is read from the disk as it is now
+            successor = Helper(sock, parent, files)
+            successor.wanted_spares = min(MAX_SPARES, int(message.get("spares", 0)))
+            return serve_as_helper(successor)
+
+        return become
 
     def reply(self, message: dict[str, Any]) -> None:
         try:
@@ -280,25 +333,16 @@ class Helper(WarmUp):
             pass  # the parent is gone; serve() notices and shuts down
 
     def shutdown(self) -> None:
-        """Kill every worker group and every remaining descendant, then reap them."""
+        """Kill every worker group and every remaining descendant (but our successor and
+        what it started), then reap them."""
         for pid in list(self.workers):
             signal_group(pid, signal.SIGKILL)
         for pid, channel in self.spares:
             channel.close()
             signal_group(pid, signal.SIGKILL)
-        try:
-            import psutil
-
-            for child in psutil.Process().children(recursive=True):
-                child.kill()
-        except Exception:  # noqa: BLE001 - best effort while exiting
-            pass
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        while True:
-            try:
-                os.wait()
-            except ChildProcessError:
-                break
+        if self.base is not None:
+            self.base[1].close()  # it reads EOF, and exits
+        kill_descendants(keep=self.successor)
 
 
 def _ids(message: dict[str, Any]) -> dict[str, Any]:
@@ -314,6 +358,7 @@ def main(argv: list[str]) -> int:
     parent_pid = int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's, not ours
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    files = LoadedFiles()  # site-packages as they are before we import from them
     try:
         with frozen_imports():
             for module in PRELOAD:
@@ -322,9 +367,13 @@ def main(argv: list[str]) -> int:
         control.send(sock, {"op": "failed", "error": traceback.format_exc()})
         return 1
     set_child_subreaper()
-    helper = Helper(sock, parent_pid)
+    return serve_as_helper(Helper(sock, ParentWatch(parent_pid, child=True), files))
+
+
+def serve_as_helper(helper: Helper) -> int:
+    """Say "ready", serve until the kernel goes, then end every worker: the helper's life."""
     try:
-        control.send(sock, {"op": "ready", "pid": os.getpid(), "python": sys.version})
+        control.send(helper.sock, {"op": "ready", "pid": os.getpid(), "python": sys.version})
     except OSError:
         return 0  # the parent left while we imported (a kernel that exited before launching)
     try:

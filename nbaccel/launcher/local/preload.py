@@ -165,7 +165,8 @@ class Preloader:
     """The helper's list of libraries to preload, and whether forking is still safe.
 
     ``ask`` adds names (each once, however often asked); ``run`` imports them in order,
-    checked, between ``between()`` calls (the helper serves requests that waited there),
+    checked, each after a ``begin()`` and before a ``between()`` call (the helper notes the
+    files it loaded there: ``installed_files``),
     replies ``preload_refused`` for each refused library (``unsafe``: the helper must not
     fork again) and leaves in ``report`` the ``preloaded`` message, with the helper's
     memory, which the helper sends once its spares are as new as its imports.
@@ -184,16 +185,24 @@ class Preloader:
         """Whether there is something to import, and forking is still safe."""
         return bool(self.pending) and self.unsafe is None
 
+    def progress(self) -> dict[str, Any]:
+        """The last ``preloaded`` report, brought up to date: names dealt with so far."""
+        asked = len(self.asked) - len(self.pending)
+        return {**self.report, "op": "preloaded", "asked": asked, "modules": len(sys.modules)}
+
     def ask(self, names: list[str]) -> None:
+        """Add names to import; those already imported are done at once (a launch waits
+        only for what is really still to be imported)."""
         fresh = [name for name in names if name not in self.asked]
         self.asked.update(fresh)
-        self.pending += fresh
+        self.pending += [name for name in fresh if name not in sys.modules]
 
     def run(
         self,
         reply: Callable[[dict[str, Any]], None],
         between: Callable[[], None],
         held: Callable[[], frozenset[str]] = frozenset,
+        begin: Callable[[], None] = lambda: None,
     ) -> None:
         import psutil
 
@@ -209,6 +218,7 @@ class Preloader:
                 capped = True  # what is left, the workers import themselves
                 self.pending.clear()
                 break
+            begin()
             why = import_checked(name, Hazards.now(), held)
             if why is not None and why.startswith("handlers: "):
                 forget(name)  # its handlers are undone; workers import it afresh

@@ -114,6 +114,11 @@ class PreloadChoice:
             self._refused.add(name)
             self._forget(name)
 
+    def refused(self, name: str) -> bool:
+        """Whether ``name`` (or a package above it) was refused."""
+        with self._lock:
+            return any(name == r or name.startswith(r + ".") for r in self._refused)
+
     def _forget(self, name: str) -> None:
         for judged in [n for n in self._judged if n == name or n.startswith(name + ".")]:
             self._judged[judged] = False

@@ -1,8 +1,16 @@
 """The helper's imports while it serves: the Accelerator's modules once it is idle
 (``WARM_LATER``), then the libraries the kernel asked it to preload, each checked; requests
-that come meanwhile are served between two bytecodes of the import (``between_bytecodes``),
-from spares forked before it. Spares forked before the imports stay in use until enough
-newer ones are forked, then retire, and only then is the kernel told (``preloaded``).
+that come meanwhile are served between two bytecodes of the import (``between_bytecodes``).
+During WARM_LATER a launch gets a spare forked before it; spares forked before the imports
+stay in use until enough newer ones are forked, then retire, and only then is the kernel told
+(``preloaded``). A launch that comes while libraries asked for are still to be imported waits
+for them instead (``preload_first``): its workers would import them themselves otherwise
+(the launching process or the last launch's rank 0 imported them), each on its own, which is
+no faster on a loaded machine, and every later launch would start the same way.
+
+After each import the helper tells the kernel which installed files it now holds
+(``installed_files``); before its first preload it forks its *base*, from which a successor
+is made when the kernel retires it (``successor``, ``hand_over``).
 
 ``WarmUp`` is the helper's (``helper_main.Helper``) part that does this; it names what it
 uses of the rest of the helper below.
@@ -19,8 +27,15 @@ from typing import Any
 
 from nbaccel.launcher import control
 from nbaccel.launcher.local.between_bytecodes import serving_while
-from nbaccel.launcher.local.child_processes import drain, frozen_imports, xla_machine
+from nbaccel.launcher.local.child_processes import (
+    drain,
+    frozen_imports,
+    signal_group,
+    xla_machine,
+)
+from nbaccel.launcher.local.installed_files import LoadedFiles
 from nbaccel.launcher.local.preload import Preloader, sockets_of
+from nbaccel.launcher.local.successor import Become, ParentWatch, fork_base
 
 # Imported once the helper is idle (right after "ready" when nothing is asked), so forked
 # workers find them loaded: nbaccel.accel (the Accelerator; 0.5-1.8 s here, most of it
@@ -35,6 +50,10 @@ WARM_LATER = ("torch.distributed.tensor", "nbaccel.accel", "torch._dynamo")
 TICK_SECONDS = 0.005
 MAX_PAUSE_SECONDS = 2.0
 PARENT_POLL_SECONDS = 1.0  # how often the helper checks that its parent lives
+# Requests answered at once in the middle of an import, before launches that wait: they fork
+# nothing, and their order against those launches does not matter (a stop also drops the
+# waiting launches of its run: ``helper_main.Helper.signal``).
+ANSWERED_MID_IMPORT = frozenset({"signal", "succeed", "preload"})
 
 
 class _ParentGone(BaseException):
@@ -45,7 +64,12 @@ class _ParentGone(BaseException):
 class WarmUp:
     # Of the helper (helper_main.Helper), which defines them.
     sock: socket.socket
-    parent_pid: int
+    parent: ParentWatch
+    files: LoadedFiles
+    base: tuple[int, socket.socket] | None  # the base, until it succeeds us
+    based: bool  # a base was forked (once per helper)
+    successor: int | None  # the pid of the base that succeeded us
+    preloading: bool  # libraries asked for are being imported: launches wait
     spares: list[tuple[int, socket.socket]]
     stale: set[int]
     held_report: dict[str, Any] | None
@@ -72,6 +96,32 @@ class WarmUp:
     def _wait(self, timeout: float) -> list[Any]:
         raise NotImplementedError
 
+    def close_in_child(self) -> None:
+        raise NotImplementedError
+
+    def become(self) -> Become:
+        raise NotImplementedError
+
+    def signal(self, message: dict[str, Any]) -> None:
+        """Signal a run's live workers; its launches still waiting (``deferred``) never
+        start: each such rank is reported exited by that signal."""
+        ranks = message.get("ranks")
+
+        def chosen(run_id: str, rank: int) -> bool:
+            return run_id == message["run"] and (ranks is None or rank in ranks)
+
+        for pid, (run_id, rank) in list(self.workers.items()):
+            if chosen(run_id, rank):
+                signal_group(pid, message["signal"])
+        for waiting in [w for w in self.deferred if w[0]["op"] == "spawn"]:
+            request, fds = waiting
+            if chosen(request["run"], request["rank"]):
+                self.deferred.remove(waiting)
+                for fd in fds:
+                    os.close(fd)
+                ids = {"run": request["run"], "rank": request["rank"]}
+                self.reply({**ids, "op": "exited", "status": -message["signal"]})
+
     def warm_up(self) -> None:
         """Import the libraries asked for, then (once) WARM_LATER and torch_xla where launches
         use it, while still serving requests; then retire the spares forked without them.
@@ -82,11 +132,13 @@ class WarmUp:
         self.warmed = True
         for module in first:
             env = dict(os.environ)
+            self.files.begin()
             with self.serving_meanwhile(), frozen_imports():
                 try:
                     __import__(module)
                 except Exception:  # noqa: BLE001 - workers import it themselves and report errors
                     pass
+            self.tell_loaded()
             # torch_xla writes PJRT_DEVICE, XLA_FLAGS, ... on import: workers get the
             # launch's environment, never ours, so keep ours as it was.
             os.environ.clear()
@@ -105,11 +157,69 @@ class WarmUp:
             self.stale = {pid for pid, _ in self.spares}
 
     def preload(self) -> None:
-        if self.preloader.unsafe is None:  # its report, "preloaded", ends every warm-up
+        """Import the libraries asked for (checked), then fork spares that have them before
+        serving the launches that waited (spares forked before retire once idle)."""
+        if self.preloader.unsafe is not None:
+            return  # forking is over, and so is preloading
+        if self.preloader.wanted and not self.based:
+            self.fork_base()
+        loaded = len(sys.modules)
+        self.preloading = True
+        try:
             with self.serving_meanwhile(), frozen_imports():
-                self.preloader.run(self.reply, self._serve_deferred, self.held_sockets)
-            while len(self.spares) < self.wanted_spares and self.fork_spare() is not None:
-                pass
+                self.preloader.run(
+                    self.reply, self.tell_loaded, self.held_sockets, self.files.begin
+                )
+        finally:
+            self.preloading = False
+        if len(sys.modules) != loaded and self.preloader.unsafe is None:
+            self.stale |= {pid for pid, _ in self.spares}
+            self.held_report = self.preloader.report  # told once the stale spares retire
+        while self.fresh_spares() < self.wanted_spares and self.fork_spare() is not None:
+            pass
+        self._serve_deferred()
+
+    def preload_first(self, message: dict[str, Any], fds: list[int]) -> None:
+        """A launch came while libraries asked for are still to be imported: import them,
+        then serve it (and what came meanwhile) from spares forked after them."""
+        self.deferred.insert(0, (message, fds))
+        self.preload()
+
+    def tell_loaded(self) -> None:
+        """Tell the kernel the installed files loaded since the last time (few: per import)."""
+        found = self.files.since_last()
+        if found:
+            self.reply({"op": "loaded", "files": found})
+
+    def fork_base(self) -> None:
+        """Fork the base, once, before the first preload: what a successor starts from."""
+        self.based = True
+        self.tell_loaded()  # the kernel learns the base's files before it learns of the base
+        self.base = fork_base(self.close_in_child, self.become())
+        if self.base is not None:
+            self.reply({"op": "base", "pid": self.base[0]})
+
+    def hand_over(self, message: dict[str, Any], fds: list[int]) -> None:
+        """The kernel retires us: our base becomes its helper on the socket in ``fds`` (if
+        we have none, closing that socket tells the kernel). We fork and import no more;
+        runs in flight go on until the kernel closes us."""
+        base, self.base = self.base, None
+        try:
+            if base is not None:
+                control.send(base[1], {**message, "spares": self.wanted_spares}, fds)
+                self.successor = base[0]
+        except OSError:
+            pass  # the base died: the kernel sees its socket close and starts a fresh helper
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if base is not None:
+                base[1].close()
+        self.preloader.pending.clear()
+        self.warmed = True
+        self.wanted_spares = 0
+        self.stale = {pid for pid, _ in self.spares}
+        self.retire_stale()
 
     def fresh_spares(self) -> int:
         return sum(1 for pid, _ in self.spares if pid not in self.stale)
@@ -121,7 +231,7 @@ class WarmUp:
             self.spares.remove((pid, channel))
         self.stale.clear()
         if self.held_report is not None:
-            self.reply(self.held_report)
+            self.reply({**self.held_report, "asked": self.preloader.progress()["asked"]})
             self.held_report = None
 
     def held_sockets(self) -> frozenset[str]:
@@ -129,8 +239,9 @@ class WarmUp:
         return sockets_of([fd for _, fds in self.deferred for fd in fds])
 
     def _serve_deferred(self) -> None:
-        """Requests read mid-import, served between two imports (forking is safe there)."""
-        while self.deferred:
+        """Requests read mid-import, served between two imports (forking is safe there);
+        not while libraries asked for are imported: launches wait for those."""
+        while self.deferred and not self.preloading:
             self.handle(*self.deferred.pop(0))
 
     def serving_meanwhile(self) -> contextlib.AbstractContextManager[None]:
@@ -149,16 +260,20 @@ class WarmUp:
         """Requests and exits, from the timer, in the middle of an import.
 
         A spawn goes to a spare forked before the import (a fork now would copy a half-run
-        import into the worker); without a spare it waits in ``deferred`` for the import's
-        end. While a launch's workers run, stay here up to MAX_PAUSE_SECONDS: the import
-        waits and leaves a short launch the CPU; a long run gets the import done in its first
-        seconds, so the next launch finds it. Only known children are reaped: the import may
-        be waiting for one of its own.
+        import into the worker); without a spare, or while libraries asked for are being
+        imported, it waits in ``deferred`` for the import's end (during the helper's own
+        warm-up, WARM_LATER, it does not wait: that may take seconds, and is no library the
+        launch asked for). Stops, offers and a
+        ``succeed`` are answered at once (``ANSWERED_MID_IMPORT``). While a launch's workers
+        run, stay here up to MAX_PAUSE_SECONDS: the import waits and leaves a short launch
+        the CPU; a long run gets the import done in its first seconds, so the next launch
+        finds it. Only known children are reaped: the import may be waiting for one of its
+        own.
         """
         timeout = 0.0
         resume_at = time.monotonic() + MAX_PAUSE_SECONDS
         while True:
-            if os.getppid() != self.parent_pid:
+            if not self.parent.alive():
                 raise _ParentGone
             ready = self._wait(timeout)
             if self.wake_read in ready:
@@ -169,7 +284,9 @@ class WarmUp:
                 message, fds = control.receive(self.sock)
                 if message is None:
                     raise _ParentGone
-                if self.deferred or (message["op"] == "spawn" and not self.spares):
+                if message["op"] in ANSWERED_MID_IMPORT:
+                    self.handle(message, fds)
+                elif self.deferred or self.preloading or not self.spares:
                     self.deferred.append((message, fds))
                 else:
                     self.handle(message, fds)

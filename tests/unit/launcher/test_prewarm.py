@@ -25,6 +25,7 @@ from nbaccel.errors import HelperError
 from nbaccel.launcher import control, prewarm
 from nbaccel.launcher.local import helper
 from nbaccel.launcher.local.helper_main import Helper
+from nbaccel.launcher.local.successor import ParentWatch
 
 
 @pytest.mark.parametrize("value", [None, "", "1", "true", "YES", " on "])
@@ -149,7 +150,7 @@ def idle_helper() -> Iterator[tuple[Helper, socket.socket]]:
     """A Helper (the helper process's loop state) in this process, driven by hand: the
     parent end of its control socket, no spares, no workers, as if mid-import."""
     parent_end, helper_end = control.socket_pair()
-    state = Helper(helper_end, os.getppid())
+    state = Helper(helper_end, ParentWatch(os.getppid(), child=True))
     state.in_tick = True
     try:
         yield state, parent_end
@@ -179,16 +180,24 @@ def test_mid_import_a_spawn_without_a_spare_waits_for_the_import_with_its_fds(
             os.close(fd)
 
 
-def test_mid_import_messages_after_a_deferred_spawn_keep_their_order(
+def test_mid_import_a_stop_drops_the_waiting_spawns_it_is_about_and_reports_them(
     idle_helper: tuple[Helper, socket.socket],
 ) -> None:
     state, parent = idle_helper
-    control.send(parent, {"op": "spawn", "run": "r1", "rank": 0, "processes": 2})
+    read_end, write_end = os.pipe()
+    control.send(parent, {"op": "spawn", "run": "r1", "rank": 0, "processes": 2}, [write_end])
+    control.send(parent, {"op": "spawn", "run": "r2", "rank": 0, "processes": 2})
     control.send(parent, {"op": "signal", "run": "r1", "signal": 2, "ranks": None})
-    state.serve_mid_import()
-    state.serve_mid_import()
-    # The stop must not overtake the spawn it is about (it would reach no worker).
-    assert [m["op"] for m, _ in state.deferred] == ["spawn", "signal"]
+    os.close(write_end)
+    for _ in range(3):
+        state.serve_mid_import()
+    # The stop is answered at once (a launch may wait seconds for a preload): the spawn it
+    # is about never starts, is reported gone by that signal, and its fds are closed.
+    assert [(m["op"], m["run"]) for m, _ in state.deferred] == [("spawn", "r2")]
+    exited, _ = control.receive(parent)
+    assert exited == {"op": "exited", "run": "r1", "rank": 0, "status": -2}
+    assert os.read(read_end, 1) == b""  # the worker's pipe: closed in the helper too
+    os.close(read_end)
 
 
 def test_mid_import_a_request_is_served_as_it_arrives_not_at_the_next_tick(
@@ -292,3 +301,17 @@ def test_after_warm_planning_a_first_plan_imports_nothing(warm: bool) -> None:
         assert imported == []
     else:
         assert imported, "a cold first plan imports something: else this test shows nothing"
+
+
+def test_an_offer_of_modules_already_imported_is_answered_at_once(
+    idle_helper: tuple[Helper, socket.socket],
+) -> None:
+    # Nothing to import, so no launch waits and no preload round will report it: the
+    # helper says at once that it has dealt with them (the kernel's wait_preloaded).
+    state, parent = idle_helper
+    state.in_tick = False
+    state.handle({"op": "preload", "modules": ["os", "json"]}, [])
+    assert not state.preloader.wanted
+    parent.settimeout(10.0)  # bounded: before, no answer came
+    report, _ = control.receive(parent)
+    assert report["op"] == "preloaded" and report["asked"] == 2
