@@ -79,6 +79,26 @@ def test_push_and_pull_move_values_in_and_out(workers: nbaccel.Workers) -> None:
     assert [t.tolist() for t in tensors.values()] == [[0, 1, 2], [0, 1, 2]]
 
 
+def test_logs_hold_what_the_ranks_printed_and_nothing_else(
+    workers: nbaccel.Workers, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for index in range(3):
+        workers.run_cell(
+            f"import torch.distributed as dist\nprint('cell {index}', dist.get_rank())", "<c>"
+        )
+    workers.run(print, "from run")
+    workers.push(x=1)  # calls that print nothing end their output too
+    assert workers.pull("x") == {0: 1, 1: 1}
+    workers.run_cell("print('no newline', end='')", "<c>")
+    # The call returned once its output was shown: rank 0's, a line it did not end included.
+    shown = capsys.readouterr().out
+    assert shown.endswith("from run\nno newline\n"), repr(shown)
+    for rank in (0, 1):
+        printed = "".join(f"cell {index} {rank}\n" for index in range(3)) + "from run\nno newline"
+        assert (workers.run_dir / f"rank{rank}.log").read_text() == printed
+        assert workers.logs(rank) == printed + "\n"
+
+
 def test_free_memory_collects_garbage_and_reports_memory(workers: nbaccel.Workers) -> None:
     cell = (
         "import builtins\nbuiltins.collected = False\n"
