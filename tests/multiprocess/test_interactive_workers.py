@@ -183,6 +183,34 @@ def test_a_cell_function_run_on_the_workers_sees_their_namespace(
     assert workers.run(evaluate) == {0: 6, 1: 6}  # the ranks' model and scale
 
 
+def test_a_name_the_kernel_has_and_the_ranks_lack_is_explained(workers: nbaccel.Workers) -> None:
+    kernel: dict[str, Any] = {"__name__": "__main__", "lr": 0.1}
+    with pytest.raises(NameError, match=r"\[rank 0\] name 'lr' is not defined") as raised:
+        workers.run_cell("print(lr)", "<c>", kernel_names=kernel)
+    notes = "\n".join(raised.value.__notes__)
+    assert "'lr' is defined in this kernel, but not on the ranks" in notes
+    assert "workers.push(lr=lr)" in notes
+    with pytest.raises(NameError) as raised:  # nowhere to be found: nothing to add
+        workers.run_cell("print(nowhere)", "<c>", kernel_names=kernel)
+    assert "defined in this kernel" not in "\n".join(raised.value.__notes__)
+    # A function the ranks hold took the kernel's globals when it was sent, not later.
+    exec("def helper():\n    return later\ndef step():\n    return helper()\n", kernel)
+    workers.push(helper=kernel["helper"])
+    kernel["later"] = 1
+    with pytest.raises(NameError, match="'later' is not defined") as raised:
+        workers.run(kernel["step"])
+    assert "it was not when the function was sent" in "\n".join(raised.value.__notes__)
+
+
+def test_ranks_to_show_that_the_workers_lack_are_refused_before_the_call(
+    workers: nbaccel.Workers, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    with pytest.raises(ValueError, match=r"names rank 5, but these workers have ranks 0 and 1"):
+        workers.run_cell(f"open({str(ran)!r}, 'w')", "<c>", show_ranks=frozenset({5}))
+    assert not ran.exists()
+
+
 def test_restart_starts_afresh_with_the_same_config(workers: nbaccel.Workers) -> None:
     before = workers.pids
     workers.push(kept=1)
@@ -262,6 +290,12 @@ def test_an_interrupt_that_a_rank_cannot_take_ends_the_group(
         workers.run_cell(code, "<stuck cell>")
     thread.join()
     wait_for(lambda: gone(pids), 30, "the stuck workers to end")
+    # Every later call says what ended them, and how to go on.
+    with pytest.raises(nbaccel.WorkersEnded, match=r"ended after the interrupt.*nbaccel\.Workers"):
+        workers.run(rank_and_pid)
+    workers.close()
+    with pytest.raises(nbaccel.WorkersEnded, match=r"ended after the interrupt"):
+        workers.push(x=1)  # closing what had ended changes nothing
 
 
 def test_close_and_twenty_calls_leave_nothing(runs_dir: str) -> None:
