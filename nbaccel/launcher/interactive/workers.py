@@ -269,9 +269,9 @@ class WorkerGroup:
                 failure = self._sender.failure
                 raise self._ended(run, f"sending a command to the workers failed ({failure!r})")
             replies = self._wait(run, interrupted)
-            visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
-            ranks = visible if visible is not None else run.ranks
-            self._relay.wait_output(seq, ranks, OUTPUT_GRACE)
+            # Every rank's output, shown or not: its log is whole when the call returns (each
+            # rank wrote its mark before its reply: it is on its way, if not in already).
+            self._relay.wait_output(seq, run.ranks, OUTPUT_GRACE)
             self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
             errors = _errors(replies)
             if errors:
