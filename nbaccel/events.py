@@ -100,6 +100,17 @@ class LogLine:
 
 
 @dataclass(frozen=True)
+class OutputMark:
+    """A mark a rank put in its output (``launcher.output.mark_line``; parent-made): all it
+    wrote before came first. Interactive workers mark the end of each command's output. Marks
+    are nbaccel's: no log, line or display holds them."""
+
+    rank: int
+    text: str
+    time: float
+
+
+@dataclass(frozen=True)
 class Metric:
     rank: int
     step: int
@@ -264,6 +275,7 @@ Event = (
     | ModelPrepared
     | SettingsApplied
     | LogLine
+    | OutputMark
     | Metric
     | DeviceMemory
     | StepBreakdown

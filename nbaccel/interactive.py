@@ -60,10 +60,18 @@ class Workers(WorkerGroup):
             return super()._display(run, gpus, show_ranks)
         from nbaccel.ui.attach import attach_dashboard  # ipywidgets, matplotlib: only now
 
-        shown = sorted(show_ranks) if show_ranks else None
+        # The ranks whose output this call shows, as the text output shows them: one rank's
+        # log, or several ranks' lines together, labelled.
+        visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
+        shown = sorted(visible) if visible is not None else list(run.ranks)
         parts: list[Subscriber] = []  # the dashboard, and on several machines its memory
         attach_dashboard(
-            run, blocking=True, gpus=gpus, subscribe=parts.append, rank=shown[0] if shown else None
+            run,
+            blocking=True,
+            gpus=gpus,
+            subscribe=parts.append,
+            rank=shown[0],
+            together=shown if len(shown) > 1 else (),
         )
 
         def to_every_part(event: Event) -> None:

@@ -4,17 +4,31 @@
 each rank's persistent namespace, on the last ``Workers`` made, or the one named:
 ``%%nbaccel workers``. ``--ranks all`` (or ``--ranks 0,1``) shows those ranks' output for
 this cell instead of ``log_ranks``'s. The value of the cell's last line, when it is an
-expression, is shown as rank 0's repr. An entry point: it imports IPython, and only when
-the extension is loaded.
+expression, is shown as rank 0's repr. A wrong line, ranks the workers lack, or IPython
+syntax in the cell (which the ranks do not run) is refused before anything is sent, as
+IPython refuses a magic's bad arguments (``UsageError``). A rank's error is raised at the
+cell's line that failed on the rank (``<nbaccel cell N>``, N the cell's ``In [N]``), with
+nbaccel's own frames hidden from IPython's traceback (``__tracebackhide__``). An entry
+point: it imports IPython, and only when the extension is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import linecache
+import re
 import shlex
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
+from nbaccel.errors import RemoteTraceback
+from nbaccel.launcher.interactive.calls import check_ranks
 from nbaccel.launcher.interactive.workers import WorkerGroup, last_workers
+
+
+class CellRefused(ValueError):
+    """What is wrong with a ``%%nbaccel`` line or cell, found before anything is sent."""
 
 
 class RankRepr(str):
@@ -31,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+USAGE = "%%nbaccel [workers_variable] [--ranks all|0,1]"
+
+
 def parse_line(line: str) -> tuple[str | None, frozenset[int] | None]:
     """The magic's line: the Workers variable's name and the ranks to show.
 
@@ -38,22 +55,41 @@ def parse_line(line: str) -> tuple[str | None, frozenset[int] | None]:
     ('workers', frozenset({0, 1}))
     >>> parse_line("--ranks all")
     (None, frozenset())
+    >>> parse_line("--ranks one")
+    Traceback (most recent call last):
+    nbaccel.magic.CellRefused: %%nbaccel --ranks one: expected 'all' or a comma list of ranks ...
     """
     try:
         options = _parser().parse_args(shlex.split(line))
     except SystemExit:
-        raise ValueError(
-            f"%%nbaccel {line}: expected `%%nbaccel [workers_variable] [--ranks all|0,1]`."
-        ) from None
+        raise CellRefused(f"%%nbaccel {line}: expected `{USAGE}`.") from None
     ranks: frozenset[int] | None = None
     if options.ranks is not None:
         text = options.ranks.strip()
-        ranks = frozenset() if text == "all" else frozenset(int(r) for r in text.split(","))
+        parts = [part.strip() for part in text.split(",")]
+        if text != "all" and not all(part.isdigit() for part in parts):
+            raise CellRefused(
+                f"%%nbaccel --ranks {options.ranks}: expected 'all' or a comma list of ranks "
+                "such as 0,1."
+            )
+        ranks = frozenset() if text == "all" else frozenset(map(int, parts))
     return options.workers, ranks
 
 
-def nbaccel_cell(line: str, cell: str, namespace: dict[str, Any], number: int) -> Any:
-    """Run ``cell`` on the workers the line names (or the last made); rank 0's last value."""
+def nbaccel_cell(
+    line: str,
+    cell: str,
+    namespace: dict[str, Any],
+    number: int,
+    transform: Callable[[str], str] | None = None,
+) -> Any:
+    """Run ``cell`` on the workers the line names (or the last made); rank 0's last value.
+
+    ``number``: the cell's ``In [N]``; ``transform``: IPython's input transformer (to tell
+    IPython syntax from Python's). What is wrong with the line or the cell raises
+    ``CellRefused`` before anything is sent (the magic shows it as a ``UsageError``).
+    """
+    __tracebackhide__ = True  # IPython shows the cell, not nbaccel's frames
     name, ranks = parse_line(line)
     workers = namespace.get(name) if name is not None else last_workers()
     if not isinstance(workers, WorkerGroup):
@@ -61,16 +97,116 @@ def nbaccel_cell(line: str, cell: str, namespace: dict[str, Any], number: int) -
         raise NameError(
             f"%%nbaccel: {where}. Start workers first: workers = nbaccel.Workers(num_processes=2)"
         )
-    values = workers.run_cell(cell, f"<nbaccel cell {number}>", show_ranks=ranks)
+    if ranks:
+        asked = f"%%nbaccel --ranks {','.join(map(str, sorted(ranks)))}"
+        try:
+            check_ranks(ranks, workers.world_size, asked)
+        except ValueError as error:
+            raise CellRefused(str(error)) from None
+    if transform is not None:
+        refuse_ipython_syntax(cell, transform)
+    filename = f"<nbaccel cell {number}>"
+    try:
+        values = workers.run_cell(cell, filename, show_ranks=ranks, kernel_names=namespace)
+    except Exception as error:  # noqa: BLE001 - raised again, at the cell's failing line
+        raise_at_cell_line(error, filename, cell)
     first = values.get(min(values)) if values else None
     return None if first is None else RankRepr(first)
 
 
+_KINDS = (  # what IPython made of a line -> what the user wrote, and a plain-Python way
+    (".system(", "a shell command (!)", " (subprocess.run for a shell command)"),
+    (".getoutput(", "a shell command (!)", " (subprocess.run for a shell command)"),
+    ("run_line_magic('pinfo", "a help request (?)", ""),
+    ("run_line_magic('psearch", "a help request (?)", ""),
+    ("run_line_magic(", "a line magic (%)", ""),
+    ("run_cell_magic(", "a cell magic (%%)", ""),
+)
+
+
+def refuse_ipython_syntax(cell: str, transform: Callable[[str], str]) -> None:
+    """Refuse a cell with IPython syntax (magics ``%``, shell ``!``, help ``?``): the ranks run
+    plain Python. Only a cell that is not Python is looked at, at the line Python refuses.
+
+    >>> from IPython.core.inputtransformer2 import TransformerManager
+    >>> refuse_ipython_syntax("import os\\n!ls", TransformerManager().transform_cell)
+    Traceback (most recent call last):
+    nbaccel.magic.CellRefused: %%nbaccel: line 2 of the cell, `!ls`, is IPython syntax (a shell ...
+    """
+    try:
+        ast.parse(cell)
+        return
+    except SyntaxError as error:
+        number = error.lineno
+    lines = cell.splitlines()
+    if number is None or not 1 <= number <= len(lines):
+        return  # the ranks report it, as Python does
+    text = lines[number - 1].strip()
+    try:
+        python = transform(text + "\n")
+        ast.parse(python)
+    except (SyntaxError, ValueError):  # IPython cannot read it either: Python's error stands
+        return
+    if python.strip() == text:
+        return  # the same line: the trouble is elsewhere (an unclosed bracket above...)
+    kind, hint = next(((k, h) for mark, k, h in _KINDS if mark in python), ("IPython syntax", ""))
+    raise CellRefused(
+        f"%%nbaccel: line {number} of the cell, `{text}`, is IPython syntax ({kind}), which "
+        f"does not run on the ranks: they run plain Python. Write it in plain Python{hint}, "
+        "or run it in an ordinary cell (it then runs in the kernel)."
+    )
+
+
+_CELL_FRAME = re.compile(r'File "(<nbaccel cell \d+>)", line (\d+)')
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def raise_at_cell_line(error: BaseException, filename: str, cell: str) -> NoReturn:
+    """Raise a rank's ``error`` from the cell's line that failed on the rank, so IPython's
+    traceback ends at the user's line (as ``%%time`` ends at its ``<timed exec>``) and not in
+    nbaccel's frames. Other errors are raised as they are, and so is a SyntaxError (IPython
+    shows every frame of one, hidden or not, and the line it names)."""
+    __tracebackhide__ = True
+    cause = error.__cause__
+    if not isinstance(cause, RemoteTraceback) or isinstance(error, SyntaxError):
+        raise error
+    # The last exception of the rank's traceback (chained ones come first), outermost frame.
+    found = [
+        int(match.group(2))
+        for section in reversed(cause.text.split(_TRACEBACK))
+        for match in _CELL_FRAME.finditer(section)
+        if match.group(1) == filename
+    ][:1]
+    if not found:
+        raise error
+    if filename not in linecache.cache:  # the kernel's traceback shows the line's source
+        linecache.cache[filename] = (len(cell), None, cell.splitlines(keepends=True), filename)
+    # A frame that runs only ``raise``, numbered and named as the line on the rank.
+    code = compile("\n" * (found[0] - 1) + "raise __nbaccel_error__", filename, "exec")
+    exec(code, {"__nbaccel_error__": error.with_traceback(None)})
+    raise AssertionError("unreachable")  # pragma: no cover - the exec raised
+
+
+def running_cell(ipython: Any) -> int:
+    """The number of the cell running now: IPython's own (``In [N]``, ``Cell In[N]`` in its
+    tracebacks), from the cell's execution result. IPython 9 counts the next cell already
+    while one runs; IPython 8 did not: ``execution_count`` is right in one of them only."""
+    result = getattr(getattr(ipython, "displayhook", None), "exec_result", None)
+    number = getattr(result, "execution_count", None)
+    return number if isinstance(number, int) else int(ipython.execution_count)
+
+
 def load_ipython_extension(ipython: Any) -> None:
     """Register ``%%nbaccel`` in an IPython shell (``%load_ext nbaccel``)."""
+    from IPython.core.error import UsageError
 
     def magic(line: str, cell: str) -> Any:
-        return nbaccel_cell(line, cell, ipython.user_ns, ipython.execution_count)
+        __tracebackhide__ = True
+        number, transform = running_cell(ipython), ipython.input_transformer_manager.transform_cell
+        try:
+            return nbaccel_cell(line, cell, ipython.user_ns, number, transform)
+        except CellRefused as error:  # as IPython shows a magic's misuse: no traceback
+            raise UsageError(str(error)) from None
 
     magic.__doc__ = __doc__
     ipython.register_magic_function(magic, magic_kind="cell", magic_name="nbaccel")

@@ -52,10 +52,7 @@ class TextPrinter:
         if isinstance(event, LogLine):
             if self._ranks is not None and event.rank not in self._ranks:
                 return
-            host = self._host_of(event.rank)
-            label = f"[{host}:rank {event.rank}] " if host else ""
-            label = label or (f"[rank {event.rank}] " if event.rank != 0 else "")
-            text = label + event.text
+            text = line_label(event.rank, self._host_of(event.rank)) + event.text
             if event.replace and self._open_rank == event.rank:
                 self._stream.write("\r" + text)
             else:
@@ -99,6 +96,18 @@ class TextPrinter:
                 why = f": {event.error}" if event.error is not None else ""  # stop(): no error
                 self._stream.write(f"nbaccel: run {event.state.value}{why}\n")
             self._stream.flush()
+
+
+def line_label(rank: int, host: str | None) -> str:
+    """What starts a rank's line where several ranks' lines are shown together: nothing for
+    rank 0 on this machine, else ``[rank N] `` (``[host:rank N] `` on another machine).
+
+    >>> line_label(0, None), line_label(1, None), line_label(0, "node2")
+    ('', '[rank 1] ', '[node2:rank 0] ')
+    """
+    if host:
+        return f"[{host}:rank {rank}] "
+    return f"[rank {rank}] " if rank != 0 else ""
 
 
 def restart_line(event: RunRestarted) -> str:

@@ -41,6 +41,7 @@ from nbaccel.events import (
     Metric,
     ModelPrepared,
     ModulesImported,
+    OutputMark,
     Rank0Value,
     RankExited,
     ResultReady,
@@ -56,7 +57,7 @@ from nbaccel.events import (
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import Failure, build_error
 from nbaccel.launcher.outcome.restarts import Attempts
-from nbaccel.launcher.output import LineSplitter, render
+from nbaccel.launcher.output import Mark, OutputReader, render
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.sharing.packing import Packed, close_fds, inline_chunks
 from nbaccel.launcher.sharing.segments import map_private
@@ -76,7 +77,7 @@ class RankPipes:
     log_file: Any
     log_fd: int
     event_fd: int
-    splitter: LineSplitter = field(default_factory=LineSplitter)
+    output: OutputReader = field(default_factory=OutputReader)  # lines, marks taken out
     decoder: FrameDecoder = field(default_factory=FrameDecoder)
     exitcode: int | None = None
     pid: int | None = None  # reported by the worker when it starts
@@ -187,22 +188,28 @@ class RunPump:
             os.close(fd)
             if kind == "log":
                 r.log_fd = -1
-                self._emit_lines(r, r.splitter.close())
+                self._take_output(r, *r.output.close())
             else:
                 r.event_fd = -1
             return False
         if kind == "log":
-            r.log_file.write(data)
-            self._emit_lines(r, r.splitter.feed(data))
+            self._take_output(r, *r.output.feed(data))
         else:
             for message in r.decoder.feed(data):
                 self._on_worker_message(r, message)
         return True
 
-    def _emit_lines(self, r: RankPipes, lines: list[tuple[str, bool, bool]]) -> None:
+    def _take_output(
+        self, r: RankPipes, data: bytes, items: list[tuple[str, bool, bool] | Mark]
+    ) -> None:
+        """A rank's output, its marks taken out: the bytes into its log, lines and marks out."""
+        r.log_file.write(data)
         now = time.time()
-        for text, replace, partial in lines:
-            self._emit(LogLine(r.rank, text, replace, partial, now))
+        for item in items:
+            if isinstance(item, Mark):
+                self._emit(OutputMark(r.rank, item.text, now))
+            else:
+                self._emit(LogLine(r.rank, *item, now))
 
     def _on_worker_message(self, r: RankPipes, message: object) -> None:
         if isinstance(message, UnreadableFrame):  # the run goes on without that message
@@ -386,7 +393,7 @@ class RunPump:
             state = RunState.SUCCEEDED
         for r in self._ranks.values():
             if r.log_fd != -1:
-                self._emit_lines(r, r.splitter.close())
+                self._take_output(r, *r.output.close())
         self._record({"event": "ended", "state": state.value})
         self._close_everything()
         self._state = state

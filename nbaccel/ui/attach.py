@@ -15,14 +15,14 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbaccel.events import DeviceMemory, Event
 from nbaccel.launcher.run import Run
 from nbaccel.ui.dashboard.board import Dashboard
 from nbaccel.ui.dashboard.memory import MemorySampler, ReportedMemory, memory_source
-from nbaccel.ui.dashboard.model import DashboardModel
+from nbaccel.ui.dashboard.model import TOGETHER, DashboardModel
 from nbaccel.ui.kernel import in_kernel
 
 _dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictionary()
@@ -37,6 +37,7 @@ def attach_dashboard(
     show: bool = True,
     subscribe: Callable[[Callable[[Event], None]], None] | None = None,
     rank: int | None = None,
+    together: Sequence[int] = (),
 ) -> Dashboard:
     """Build a run's dashboard, subscribe it to the run, and show it in the calling cell.
 
@@ -44,7 +45,8 @@ def attach_dashboard(
     dashboard again with ``dashboard_for(run)``. ``subscribe``: what subscribes the
     dashboard's parts instead of ``run.subscribe`` (interactive workers: a dashboard per call
     of one long run, fed from its ``RunStarted`` to its ``RunEnded``). ``rank``: the rank
-    shown first.
+    shown first. ``together``: ranks whose lines the log shows together, rank-labelled as the
+    text output does (``%%nbaccel --ranks all``), first and in the summary.
     """
     add = subscribe if subscribe is not None else run.subscribe
     # Closures hold the run weakly: the registry's value must not keep its key alive.
@@ -65,11 +67,14 @@ def attach_dashboard(
     sampler = MemorySampler(source, lambda readings: dashboard.post_memory(readings))
     if isinstance(source, ReportedMemory):
         add(_reports_to(source, sampler))
+    model = DashboardModel.for_config(run.config, run.world_size, run.ranks, together=together)
+    if together:  # labelled by host at once: a call's dashboard sees no worker start
+        model.hosts.update({r: host for r in together if (host := run.host_of(r))})
     dashboard = Dashboard(
-        DashboardModel.for_config(run.config, run.world_size, run.ranks),
+        model,
         stop=None if blocking else lambda: _request_stop(ref),
         blocking=blocking,
-        rank=first if first in run.ranks else run.ranks[0],
+        rank=TOGETHER if together else (first if first in run.ranks else run.ranks[0]),
         sampler=sampler,
     )
     _dashboards[run] = dashboard

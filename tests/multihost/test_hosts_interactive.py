@@ -48,6 +48,9 @@ def test_workers_on_two_hosts_keep_state_name_failures_and_take_interrupts(
         w.run_cell("import torch, torch.distributed as dist\nt = torch.ones(1)\n", "<c1>")
         w.run_cell("dist.all_reduce(t)\n", "<c2>")
         assert w.pull("t") and [v.item() for v in w.pull("t").values()] == [4.0] * 4
+        w.run_cell("print('sum', t.item(), 'on', dist.get_rank())\n", "<c2b>")
+        # Through the agents too, a log holds what the rank printed and nothing else.
+        assert [w.logs(r) for r in range(4)] == [f"sum 4.0 on {r}\n" for r in range(4)]
         with pytest.raises(ValueError, match=r"\[rank 3 on host 127\.0\.0\.3\] bad") as raised:
             w.run_cell("if dist.get_rank() == 3:\n    raise ValueError('bad')\n", "<c3>")
         assert 'File "<c3>", line 2' in str(raised.value.__cause__)

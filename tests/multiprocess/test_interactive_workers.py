@@ -79,6 +79,26 @@ def test_push_and_pull_move_values_in_and_out(workers: nbaccel.Workers) -> None:
     assert [t.tolist() for t in tensors.values()] == [[0, 1, 2], [0, 1, 2]]
 
 
+def test_logs_hold_what_the_ranks_printed_and_nothing_else(
+    workers: nbaccel.Workers, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for index in range(3):
+        workers.run_cell(
+            f"import torch.distributed as dist\nprint('cell {index}', dist.get_rank())", "<c>"
+        )
+    workers.run(print, "from run")
+    workers.push(x=1)  # calls that print nothing end their output too
+    assert workers.pull("x") == {0: 1, 1: 1}
+    workers.run_cell("print('no newline', end='')", "<c>")
+    # The call returned once its output was shown: rank 0's, a line it did not end included.
+    shown = capsys.readouterr().out
+    assert shown.endswith("from run\nno newline\n"), repr(shown)
+    for rank in (0, 1):
+        printed = "".join(f"cell {index} {rank}\n" for index in range(3)) + "from run\nno newline"
+        assert (workers.run_dir / f"rank{rank}.log").read_text() == printed
+        assert workers.logs(rank) == printed + "\n"
+
+
 def test_free_memory_collects_garbage_and_reports_memory(workers: nbaccel.Workers) -> None:
     cell = (
         "import builtins\nbuiltins.collected = False\n"
@@ -163,6 +183,39 @@ def test_a_cell_function_run_on_the_workers_sees_their_namespace(
     assert workers.run(evaluate) == {0: 6, 1: 6}  # the ranks' model and scale
 
 
+def said(error: BaseException) -> str:
+    """An error's message and its notes (Python 3.10 has no notes: nbaccel adds them to it)."""
+    return "\n".join([str(error), *getattr(error, "__notes__", [])])
+
+
+def test_a_name_the_kernel_has_and_the_ranks_lack_is_explained(workers: nbaccel.Workers) -> None:
+    kernel: dict[str, Any] = {"__name__": "__main__", "lr": 0.1}
+    with pytest.raises(NameError, match=r"\[rank 0\] name 'lr' is not defined") as raised:
+        workers.run_cell("print(lr)", "<c>", kernel_names=kernel)
+    notes = said(raised.value)
+    assert "'lr' is defined in this kernel, but not on the ranks" in notes
+    assert "workers.push(lr=lr)" in notes
+    with pytest.raises(NameError) as raised:  # nowhere to be found: nothing to add
+        workers.run_cell("print(nowhere)", "<c>", kernel_names=kernel)
+    assert "defined in this kernel" not in said(raised.value)
+    # A function the ranks hold took the kernel's globals when it was sent, not later.
+    exec("def helper():\n    return later\ndef step():\n    return helper()\n", kernel)
+    workers.push(helper=kernel["helper"])
+    kernel["later"] = 1
+    with pytest.raises(NameError, match="'later' is not defined") as raised:
+        workers.run(kernel["step"])
+    assert "it was not when the function was sent" in said(raised.value)
+
+
+def test_ranks_to_show_that_the_workers_lack_are_refused_before_the_call(
+    workers: nbaccel.Workers, tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    with pytest.raises(ValueError, match=r"names rank 5, but these workers have ranks 0 and 1"):
+        workers.run_cell(f"open({str(ran)!r}, 'w')", "<c>", show_ranks=frozenset({5}))
+    assert not ran.exists()
+
+
 def test_restart_starts_afresh_with_the_same_config(workers: nbaccel.Workers) -> None:
     before = workers.pids
     workers.push(kept=1)
@@ -242,6 +295,12 @@ def test_an_interrupt_that_a_rank_cannot_take_ends_the_group(
         workers.run_cell(code, "<stuck cell>")
     thread.join()
     wait_for(lambda: gone(pids), 30, "the stuck workers to end")
+    # Every later call says what ended them, and how to go on.
+    with pytest.raises(nbaccel.WorkersEnded, match=r"ended after the interrupt.*nbaccel\.Workers"):
+        workers.run(rank_and_pid)
+    workers.close()
+    with pytest.raises(nbaccel.WorkersEnded, match=r"ended after the interrupt"):
+        workers.push(x=1)  # closing what had ended changes nothing
 
 
 def test_close_and_twenty_calls_leave_nothing(runs_dir: str) -> None:

@@ -5,8 +5,10 @@ dying kernel that takes its workers with it."""
 from __future__ import annotations
 
 import ast
+import html
 import os
 import queue
+import re
 import signal
 import textwrap
 import time
@@ -175,3 +177,98 @@ def test_twenty_cells_with_dashboards_leak_nothing_in_the_kernel(
         assert time.monotonic() < deadline, f"threads, fds, children: {before} -> {after}"
     reply, text = run_cell(kc, "sorted(workers.run(lambda: 1))", result="_")
     assert "Out: [0, 1]" in text, text
+
+
+def test_errors_name_the_cell_hide_nbaccel_and_refuse_what_cannot_run(
+    kernel: tuple[KernelManager, BlockingKernelClient], tmp_path: Path
+) -> None:
+    _, kc = kernel
+    reply, text = run_cell(
+        kc,
+        f"""
+        %load_ext nbaccel
+        import nbaccel
+        workers = nbaccel.Workers(
+            num_processes=2, dashboard="text", runs_dir={str(tmp_path / "runs")!r}
+        )
+        """,
+    )
+    assert reply["status"] == "ok", text
+
+    reply, text = run_cell(kc, "%%nbaccel\nx = 1\nif x:\n    1 / 0\n")
+    assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError", text
+    number = reply["execution_count"]  # the In [N] the user sees
+    # The worker's traceback names the cell as the user knows it...
+    assert f'File "<nbaccel cell {number}>", line 3, in <module>' in text, text
+    assert f"<nbaccel cell {number + 1}>" not in text, text
+    # ...and then the cell's line, and the line that failed on the rank: no frame of nbaccel.
+    after = text.split("The above exception was the direct cause")[-1]
+    assert after.index(f"Cell In[{number}], line 1") < after.index(f"<nbaccel cell {number}>:3")
+    assert "----> 3     1 / 0" in after, text
+    for own in ("magic.py", "workers.py", "calls.py", "nbaccel/"):
+        assert own not in after, text
+
+    # Refused before anything is sent: IPython syntax, ranks the workers do not have.
+    ran = tmp_path / "ran"
+    touch = f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n"
+    for cell, said in (
+        (f"%%nbaccel\n{touch}!ls\n", "line 3 of the cell, `!ls`, is IPython syntax (a shell"),
+        (f"%%nbaccel\n{touch}for i in range(2):\n    %time i\n", "`%time i`, is IPython syntax"),
+        (f"%%nbaccel\n{touch}help = len?\n", "(a help request (?))"),
+        (f"%%nbaccel --ranks 5\n{touch}", "names rank 5, but these workers have ranks 0 and 1"),
+        (f"%%nbaccel --ranks one\n{touch}", "--ranks one: expected 'all' or a comma list"),
+    ):
+        reply, text = run_cell(kc, cell)
+        assert reply["status"] == "error" and reply["ename"] == "UsageError", text
+        assert said in text, text
+    assert "does not run on the ranks" in run_cell(kc, "%%nbaccel\n!ls\n")[1]
+    assert not ran.exists()
+
+    reply, text = run_cell(kc, "lr = 0.1")
+    reply, text = run_cell(kc, "%%nbaccel\nprint(lr)\n")
+    assert reply["status"] == "error" and reply["ename"] == "NameError", text
+    assert "'lr' is defined in this kernel, but not on the ranks" in text, text
+    assert "workers.push(lr=lr)" in text, text
+
+
+def test_cell_shows_every_asked_rank_in_its_widget_dashboard(
+    cells: Any, kernel_dirs: Path, tmp_path: Path
+) -> None:
+    nb = cells.notebook(
+        [
+            (
+                "setup",
+                "%load_ext nbaccel\nimport nbaccel\n"
+                f"workers = nbaccel.Workers(num_processes=2, runs_dir={str(tmp_path / 'r')!r})",
+            ),
+            (
+                "all",
+                "%%nbaccel --ranks all\nimport torch.distributed as dist\n"
+                "print('hello from rank', dist.get_rank())",
+            ),
+            ("default", "%%nbaccel\nprint('again from rank', dist.get_rank())"),
+            ("close", "workers.close()"),
+        ]
+    )
+    cells.execute(nb, tmp_path)
+    for cell in nb.cells:
+        cells.assert_ok(cell)
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    logs = [
+        html.unescape(re.sub(r"<[^>]+>", "", str(model["state"].get("value", ""))))
+        for model in state.values()
+        if "nbaccel-log" in model["state"].get("_dom_classes", [])
+    ]
+    asked = [log for log in logs if "hello from rank" in log]
+    assert len(asked) == 1, logs  # the --ranks all cell's dashboard
+    assert "hello from rank 0" in asked[0] and "[rank 1] hello from rank 1" in asked[0], asked
+    default = [log for log in logs if "again from rank" in log]
+    assert default and "again from rank 1" not in default[0], logs  # log_ranks: rank 0's
+    summaries = [  # the summary's text (its image says the first line again)
+        out.data["text/plain"]
+        for out in cells.cell(nb, "all").outputs
+        if out.output_type == "display_data"
+        and "image/png" not in out.data
+        and out.data.get("text/plain", "").startswith("nbaccel run ")
+    ]
+    assert len(summaries) == 1 and "[rank 1] hello from rank 1" in summaries[0], summaries

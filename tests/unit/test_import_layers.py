@@ -209,12 +209,14 @@ ROOMS: dict[str, dict[str, set[str]]] = {
         },
         "detached": {"local", "control", "planned", "run", "run_folder"},
         # Interactive workers: one long launch (api) serving commands; the worker side
-        # reports errors as bootstrap does, the kernel side builds them as outcome does.
+        # reports errors as bootstrap does, the kernel side builds them as outcome does;
+        # each command's output ends with output's mark.
         "interactive": {
             "api",
             "bootstrap",
             "control",
             "outcome",
+            "output",
             "planned",
             "printer",
             "pump",

@@ -5,6 +5,7 @@
 connection back (an abstract Unix socket, or TCP with ``hosts=``), checked with ``wire.py``'s
 handshake; ``calls.py`` sends commands and reads replies on threads of their own;
 ``relay.py`` hands the run's output and events to the display of the call in progress.
-May import ``api``, ``planned``, ``run``, ``printer``, ``pump``, ``control``, ``outcome``
-and ``bootstrap`` (the worker side's error reports and the payload), and the base layer.
+May import ``api``, ``planned``, ``run``, ``printer``, ``pump``, ``control``, ``outcome``,
+``output`` (the mark that ends each command's output) and ``bootstrap`` (the worker side's
+error reports and the payload), and the base layer.
 """

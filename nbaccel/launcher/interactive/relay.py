@@ -1,6 +1,7 @@
 """``CellRelay``: the one subscriber of an interactive run, handing its events to the
 display of the call in progress (a cell's printer), and noting each rank's end-of-command
-marker (``serve.DONE_MARK``) so a call returns only once its output has been shown.
+mark (``wire.done_mark``, an ``OutputMark`` event: never in a log) so a call returns only
+once its output has been shown.
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ import threading
 import time
 from collections.abc import Iterable
 
-from nbaccel.events import Event, LogLine
-from nbaccel.launcher.interactive.wire import DONE_MARK
+from nbaccel.events import Event, OutputMark
+from nbaccel.launcher.interactive.wire import done_seq
 from nbaccel.launcher.pump import Subscriber
 
 
 class CellRelay:
-    """Forwards every event to ``target`` (set per call); swallows the markers."""
+    """Forwards every event to ``target`` (set per call) but the marks."""
 
     def __init__(self) -> None:
         self.target: Subscriber | None = None
@@ -23,10 +24,12 @@ class CellRelay:
         self._changed = threading.Condition()
 
     def __call__(self, event: Event) -> None:
-        if isinstance(event, LogLine) and event.text.startswith(DONE_MARK):
-            with self._changed:
-                self._done[event.rank] = int(event.text[len(DONE_MARK) :].strip())
-                self._changed.notify_all()
+        if isinstance(event, OutputMark):
+            seq = done_seq(event.text)
+            if seq is not None:
+                with self._changed:
+                    self._done[event.rank] = seq
+                    self._changed.notify_all()
             return
         target = self.target
         if target is not None:

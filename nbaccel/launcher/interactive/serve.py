@@ -12,8 +12,9 @@ value (pickled as a launch's result is) or the error as a launch reports one
 An interrupt is SIGINT to this process (the kernel asks the helper to send it): it raises
 ``KeyboardInterrupt`` only while a command runs, and the command's reply says "interrupted".
 Between commands SIGINT does nothing, so a late one cannot break the frame being read.
-After each command a marker line on stdout tells the kernel that the command's output has
-all been read (output and replies travel on different pipes).
+After each command a mark in the output (``output.mark_line``, taken out of the logs by the
+kernel's pump) tells the kernel that the command's output has all been read (output and
+replies travel on different pipes).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from nbaccel.context import active_session
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
 from nbaccel.launcher.bootstrap.worker_bootstrap import dump_result, error_message, pack_result
 from nbaccel.launcher.interactive.wire import (
-    DONE_MARK,
     connect,
+    done_mark,
     recv_frame_fds,
     send_frame,
     worker_handshake,
 )
+from nbaccel.launcher.output import mark_line
 from nbaccel.launcher.sharing.packing import Packed, close_fds, unpack
 from nbaccel.launcher.sharing.segments import Segment
 
@@ -90,7 +92,8 @@ def serve(address: str, token: str) -> None:
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             flush_c_stdio()
-            print(f"{DONE_MARK}{command['seq']}", flush=True)
+            sys.stdout.write(mark_line(done_mark(command["seq"])))
+            sys.stdout.flush()
             send_frame(sock, pickle.dumps(reply, protocol=5), [segment.fd] if segment else [])
             if segment is not None:
                 segment.close()  # the kernel holds it now

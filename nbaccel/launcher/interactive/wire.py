@@ -26,9 +26,24 @@ from collections.abc import Sequence
 _LENGTH = struct.Struct("!Q")
 _MAX_FDS = 64  # segments a frame may carry: a value's buffers go into one
 ADDRESS_PREFIX = "\0nbaccel-workers-"  # abstract: no file to leave behind, checked by uid
-# The line a rank prints after each command's output (``serve``); the kernel's relay
-# swallows it and so knows that the command's output has all been shown.
-DONE_MARK = "\x1b[nbaccel-done "
+# The mark (``output.mark_line``) a rank puts in its output after each command's (``serve``):
+# the kernel's relay then knows that the command's output has all been shown.
+_DONE = "done "
+
+
+def done_mark(seq: int) -> str:
+    """The text of the mark that ends command ``seq``'s output.
+
+    >>> done_mark(7), done_seq(done_mark(7)), done_seq("other")
+    ('done 7', 7, None)
+    """
+    return f"{_DONE}{seq}"
+
+
+def done_seq(mark: str) -> int | None:
+    """The command whose output a mark ends; None for another mark."""
+    number = mark.removeprefix(_DONE)
+    return int(number) if mark.startswith(_DONE) and number.isdigit() else None
 
 
 def send_frame(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import time
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,7 +33,13 @@ from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, pack_call
-from nbaccel.launcher.interactive.calls import Replies, Sender, build_cell_error
+from nbaccel.launcher.interactive.calls import (
+    Replies,
+    Sender,
+    build_cell_error,
+    check_ranks,
+    note_kernel_name,
+)
 from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
 from nbaccel.launcher.interactive.on_rank import serve_on_rank
 from nbaccel.launcher.interactive.relay import CellRelay
@@ -71,6 +78,7 @@ class WorkerGroup:
         self._seq = 0
         self._memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
         self._run: Run | None = None
+        self._ended_why = ""  # what ended the workers, said by every later call
         self._start()
         global _last_made
         _last_made = weakref.ref(self)
@@ -123,15 +131,31 @@ class WorkerGroup:
         rank raises its exception here, ``[rank N]`` in its message; an interrupt raises
         ``KeyboardInterrupt`` and leaves the workers ready for the next call.
         """
-        return self._call({"op": "run"}, sending=(function, args, kwargs))
+        __tracebackhide__ = True  # IPython shows the cell, not nbaccel's frames
+        # A cell's function takes the kernel's globals with it (serve.in_namespace's rule).
+        by_value = isinstance(function, types.FunctionType) and function.__module__ == "__main__"
+        names = function.__globals__ if by_value else None
+        return self._call({"op": "run"}, kernel_names=names, sending=(function, args, kwargs))
 
     def run_cell(
-        self, code: str, filename: str, show_ranks: frozenset[int] | None = None
+        self,
+        code: str,
+        filename: str,
+        show_ranks: frozenset[int] | None = None,
+        kernel_names: Mapping[str, Any] | None = None,
     ) -> dict[int, Any]:
         """Run a cell's ``code`` in every rank's namespace (what ``%%nbaccel`` does); the
         repr of its last expression on each rank (None when there is none). ``show_ranks``:
-        whose output is shown for this cell (default: ``log_ranks``'s; empty: all)."""
-        return self._call({"op": "exec", "code": code, "filename": filename}, show_ranks)
+        whose output is shown for this cell (default: ``log_ranks``'s; empty: all).
+        ``kernel_names``: the kernel's namespace (default: ``__main__``'s), for the note on
+        a name a rank lacks that the kernel has."""
+        __tracebackhide__ = True
+        if show_ranks:
+            check_ranks(show_ranks, self.world_size, f"show_ranks={set(show_ranks)}")
+        if kernel_names is None:
+            kernel_names = vars(sys.modules["__main__"])
+        command = {"op": "exec", "code": code, "filename": filename}
+        return self._call(command, show_ranks, kernel_names=kernel_names)
 
     def push(self, **values: Any) -> None:
         """Set ``name=value`` in every rank's namespace (the same value on each)."""
@@ -156,6 +180,7 @@ class WorkerGroup:
         """End the workers: each leaves its serve loop and exits; stopped if it will not."""
         run, self._run = self._run, None
         if run is not None:
+            self._ended_why = "they were closed with workers.close()"
             self._finalizer.detach()
             _shut(run, self._replies, self._sender, self._conns, self._listener, timeout)
 
@@ -187,7 +212,7 @@ class WorkerGroup:
         # The payload carries the cells' source lines known now; each call sends newer ones.
         self._sent_sources = set(cell_sources())
         self._relay = CellRelay()
-        self._run = None
+        self._run, self._ended_why = None, ""
         try:
             run = api.start_plan(
                 dataclasses.replace(planned, payload=payload), show=self._subscribe_relay
@@ -225,8 +250,9 @@ class WorkerGroup:
     def _live_run(self) -> Run:
         if self._run is None:
             raise WorkersEnded(
-                "these workers were closed (workers.close(), or they ended after an error). "
-                "Start them again with workers.restart()."
+                f"these workers are gone ({self._ended_why or 'they did not start'}). Start "
+                "them again with workers.restart(), or make new ones with nbaccel.Workers(...) "
+                "(their namespaces start empty)."
             )
         return self._run
 
@@ -236,13 +262,16 @@ class WorkerGroup:
         show_ranks: frozenset[int] | None = None,
         *,
         shown: bool = True,
+        kernel_names: Mapping[str, Any] | None = None,
         sending: tuple[Callable[..., Any], tuple[Any, ...], Mapping[str, Any]] | None = None,
     ) -> dict[int, Any]:
         """Send ``command`` to every rank and return their values. ``shown``: the call gets
         a display of its own (a dashboard in a kernel); push, pull and free_memory print
-        what the ranks print, as text, and nothing else. ``sending``: a call
-        ``(function, args, kwargs)`` that travels with it (``command["call"]``), its large
-        buffers in shared memory on one machine (``sharing``)."""
+        what the ranks print, as text, and nothing else. ``kernel_names``: where the call's
+        names come from in the kernel (a NameError on a rank says when one is there).
+        ``sending``: a call ``(function, args, kwargs)`` that travels with it
+        (``command["call"]``), its large buffers in shared memory on one machine."""
+        __tracebackhide__ = True
         run = self._live_run()
         shared = None
         if sending is not None:
@@ -279,15 +308,17 @@ class WorkerGroup:
                 failure = self._sender.failure
                 raise self._ended(run, f"sending a command to the workers failed ({failure!r})")
             self._wait(run, interrupted, replies)
-            visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
-            ranks = visible if visible is not None else run.ranks
-            self._relay.wait_output(seq, ranks, OUTPUT_GRACE)
+            # Every rank's output, shown or not: its log is whole when the call returns (each
+            # rank wrote its mark before its reply: it is on its way, if not in already).
+            self._relay.wait_output(seq, run.ranks, OUTPUT_GRACE)
             self._memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
             errors = _errors(replies)
             if errors:
-                raise build_cell_error(
+                failed = build_cell_error(
                     errors, run.world_size, run.config.collective_timeout, run.host_of
                 )
+                note_kernel_name(failed, kernel_names, command["op"])
+                raise failed
             if any(r["status"] == "interrupted" for r in replies.values()):
                 raise KeyboardInterrupt
             return {
@@ -358,12 +389,15 @@ class WorkerGroup:
             raise self._ended(run, "the workers' run ended")
 
     def _stuck(self, run: Run, replies: dict[int, dict[str, Any]], reason: str) -> WorkersEnded:
-        stuck = sorted(set(self._conns) - set(replies))
-        self._end("stuck ranks")
+        stuck = ", ".join(map(str, sorted(set(self._conns) - set(replies))))
+        why = (
+            f"rank(s) {stuck} did not stop within {INTERRUPT_GRACE:g} s of SIGINT after "
+            f"{reason}, stuck in a collective or in C code?"
+        )
+        self._end(f"they were ended after {reason}: {why}")
         error = WorkersEnded(
-            f"rank(s) {', '.join(map(str, stuck))} did not stop within {INTERRUPT_GRACE:g} s "
-            f"of SIGINT after {reason} (stuck in a collective or in C code?), so the workers "
-            "were ended. Start them again with workers.restart() (their namespaces start empty)."
+            f"{why} So the workers were ended. Start them again with workers.restart(), or "
+            "make new ones with nbaccel.Workers(...) (their namespaces start empty)."
         )
         failed = _errors(replies)
         if failed:
@@ -378,19 +412,22 @@ class WorkerGroup:
             run.wait(ENDED_GRACE)
         except TimeoutError:
             pass
-        self._end(what)
         cause = run.error
-        why = f" ({str(cause).splitlines()[0]})" if cause is not None and str(cause) else ""
+        first = str(cause).splitlines()[0] if cause is not None and str(cause) else ""
+        self._end(f"{what}: {first}" if first else what)
+        why = f" ({first})" if first else ""
         error = WorkersEnded(
-            f"{what}{why}: the workers are gone. Start them again with workers.restart() "
-            "(their namespaces start empty)."
+            f"{what}{why}: the workers are gone. Start them again with workers.restart(), or "
+            "make new ones with nbaccel.Workers(...) (their namespaces start empty)."
         )
         error.__cause__ = cause
         return error
 
     def _end(self, why: str) -> None:
+        """End the workers at once; ``why`` is what every later call says."""
         run, self._run = self._run, None
         if run is not None:
+            self._ended_why = why
             self._finalizer.detach()
             _shut(run, self._replies, self._sender, self._conns, self._listener, None)
 

@@ -100,7 +100,7 @@ class Dashboard(CellOutput, DashboardWidgets):
         self.summary_png: bytes | None = None
         self.summary_text = ""
         self.earlier: EarlierRuns | None = None  # the runs picked to overlay, once listed
-        super().__init__(model.ranks, rank, blocking=blocking, can_stop=stop is not None)
+        super().__init__(model.log_choices(), rank, blocking=blocking, can_stop=stop is not None)
         self.rank_selector.observe(self._on_rank, names="value")
         self.metric_selector.observe(self._on_metric, names="value")
         self.stop_button.on_click(self._on_stop)
@@ -322,7 +322,7 @@ class Dashboard(CellOutput, DashboardWidgets):
         self.visible_log = model.tail(self._rank)
         dropped = model.tail_state(self._rank)[1]
         self._set("log", self.log, "value", log_html(self.visible_log, dropped, self._rank))
-        labels = tuple((model.rank_label(r), r) for r in model.ranks)  # hosts, once known
+        labels = tuple(model.log_choices())  # hosts, once known
         if self._set("rank_options", self.rank_selector, "options", labels):
             self._written.pop("rank", None)  # new options reset the value: put it back
             self._set("rank", self.rank_selector, "value", self._rank)

@@ -2,7 +2,8 @@
 
 ``DashboardModel`` is fed events (and memory readings) by one thread, the dashboard's UI
 thread, and answers what to draw: the header, a bounded log tail per rank with ``\\r``
-progress bars as one updating line, the failure, metric series against step, memory per
+progress bars as one updating line (and, when asked, one of several ranks' lines together,
+rank-labelled as the text output labels them), the failure, metric series against step, memory per
 device. Each part has a version number so the view redraws only what changed. Stdlib only.
 """
 
@@ -29,6 +30,7 @@ from nbaccel.events import (
     SettingsApplied,
     WorkerStarted,
 )
+from nbaccel.launcher.printer import line_label
 from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
 from nbaccel.ui.dashboard.parts import (
     ErrorReport,
@@ -53,6 +55,8 @@ __all__ = [
 # tqdm's default bar ends with "| n/total [elapsed<remaining, rate]".
 _PROGRESS = re.compile(r"(\d+)/(\d+) \[")
 _RATE_WINDOW = 20.0  # seconds of (time, step) samples behind the step rate
+# The "rank" of the log that shows several ranks' lines together (``together``).
+TOGETHER = -1
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class DashboardModel:
         precision: str = "no",
         tail_lines: int = 200,
         max_points: int = 4000,
+        together: Sequence[int] = (),
     ) -> None:
         self.world_size = world_size
         # The ranks this dashboard's run has: all, or one machine's of a job launched from
@@ -113,6 +118,10 @@ class DashboardModel:
         self._tail_lines = tail_lines
         self._max_points = max_points
         self._tails: dict[int, LogTail] = {}
+        # The ranks whose lines a log shows together (``TOGETHER``), and whose "\\r" line is
+        # open in it: a redraw replaces only that rank's own line.
+        self.together = tuple(sorted(together))
+        self._together_open: int | None = None
         self._series: dict[str, Series] = {}
         self._memory: dict[str, MemoryReading] = {}
         self._started: float | None = None
@@ -135,6 +144,7 @@ class DashboardModel:
         config: Config,
         world_size: int,
         ranks: Sequence[int] | None = None,
+        together: Sequence[int] = (),
         **options: int,
     ) -> DashboardModel:
         """A model labelled with a run's strategy and precision."""
@@ -143,6 +153,7 @@ class DashboardModel:
             ranks=ranks,
             strategy=config.strategy,
             precision=config.mixed_precision,
+            together=together,
             **options,
         )
         model.config = config
@@ -155,6 +166,11 @@ class DashboardModel:
             self._started = event.time
         if isinstance(event, LogLine):
             self._tail(event.rank).add(event.text, event.replace, event.partial)
+            if event.rank in self.together:
+                replace = event.replace and self._together_open == event.rank
+                label = line_label(event.rank, self.hosts.get(event.rank))
+                self._tail(TOGETHER).add(label + event.text, replace, event.partial)
+                self._together_open = event.rank if event.partial else None
             if event.rank == 0:
                 self._read_progress(event)
         elif isinstance(event, Metric):
@@ -188,7 +204,9 @@ class DashboardModel:
                 self._set_error(ErrorReport(event.rank, exit_text(event.rank, event.exitcode), ""))
         elif isinstance(event, Notice):  # in the first rank's log, as the text output has it
             first = self._ranks[0] if self._ranks else 0
-            self._tail(first).add(f"nbaccel: {event.text}", False, False)
+            for tail in (first, TOGETHER) if self.together else (first,):
+                self._tail(tail).add(f"nbaccel: {event.text}", False, False)
+            self._together_open = None
         elif isinstance(event, RunRestarted):
             self.attempt = f"attempt {event.attempt + 1} of {event.max_restarts + 1}"
         elif isinstance(event, RunEnded):
@@ -227,7 +245,21 @@ class DashboardModel:
         return list(self._ranks) if self._ranks is not None else list(range(self.world_size))
 
     def tail(self, rank: int) -> list[str]:
+        """A rank's last lines; ``TOGETHER``: those of the ranks shown together, labelled."""
         return self._tail(rank).lines
+
+    def log_choices(self) -> list[tuple[str, int]]:
+        """What the log selector offers: the ranks together (when asked), then each rank.
+
+        >>> DashboardModel(world_size=2, together=[0, 1]).log_choices()
+        [('all ranks', -1), ('rank 0', 0), ('rank 1', 1)]
+        """
+        each = [(self.rank_label(r), r) for r in self.ranks]
+        if not self.together:
+            return each
+        every = list(self.together) == self.ranks
+        label = "all ranks" if every else "ranks " + ", ".join(map(str, self.together))
+        return [(label, TOGETHER), *each]
 
     def tail_state(self, rank: int) -> tuple[int, int]:
         """(version, lines dropped) of a rank's tail: redraw when the version moves."""

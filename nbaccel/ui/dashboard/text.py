@@ -9,7 +9,13 @@ from __future__ import annotations
 import html
 
 from nbaccel.memory_estimate import MemoryEstimate
-from nbaccel.ui.dashboard.model import DashboardModel, ErrorReport, Header, MemoryReading
+from nbaccel.ui.dashboard.model import (
+    TOGETHER,
+    DashboardModel,
+    ErrorReport,
+    Header,
+    MemoryReading,
+)
 
 BLOCKING_NOTE = (
     "Blocking call: to stop the run, interrupt the kernel (■ in the toolbar, or I, I). "
@@ -114,9 +120,9 @@ def summary_text(model: DashboardModel) -> str:
 
 
 def log_tail_lines(model: DashboardModel) -> list[str]:
-    """The last ``SUMMARY_LOG_LINES`` lines of the first rank that printed (rank 0 unless
-    ``log_ranks`` leaves it out), each cut to ``SUMMARY_LINE_CHARS``, under a line that
-    names the rank; none if no rank printed.
+    """The last ``SUMMARY_LOG_LINES`` lines of the ranks shown together (``together``), else
+    of the first rank that printed (rank 0 unless ``log_ranks`` leaves it out), each cut to
+    ``SUMMARY_LINE_CHARS``, under a line that names the rank(s); none if nothing printed.
 
     >>> from nbaccel.events import LogLine
     >>> model = DashboardModel(world_size=2)
@@ -125,11 +131,18 @@ def log_tail_lines(model: DashboardModel) -> list[str]:
     >>> log_tail_lines(model)[:2]
     ["rank 0's last 20 lines (all of them: run.logs(0)):", '  epoch 5']
     """
-    rank = next((r for r in model.ranks if model.tail(r)), None)  # log_ranks may skip 0
-    if rank is None:
-        return []
-    tail = model.tail(rank)[-SUMMARY_LOG_LINES:]
-    head = f"{model.rank_label(rank)}'s last {len(tail)} lines (all of them: run.logs({rank})):"
+    if model.together:
+        tail = model.tail(TOGETHER)[-SUMMARY_LOG_LINES:]
+        if not tail:
+            return []
+        label = model.log_choices()[0][0]
+        head = f"{label}, the last {len(tail)} lines (each rank's whole log: run.logs(rank)):"
+    else:
+        rank = next((r for r in model.ranks if model.tail(r)), None)  # log_ranks may skip 0
+        if rank is None:
+            return []
+        tail = model.tail(rank)[-SUMMARY_LOG_LINES:]
+        head = f"{model.rank_label(rank)}'s last {len(tail)} lines (all of them: run.logs({rank})):"
     cut = [
         line if len(line) <= SUMMARY_LINE_CHARS else line[: SUMMARY_LINE_CHARS - 1] + "…"
         for line in tail
@@ -149,12 +162,14 @@ def header_html(head: Header, *, stopping: bool) -> str:
 
 
 def log_html(lines: list[str], dropped: int, rank: int) -> str:
-    """A rank's log tail in a box that stays scrolled to its newest line.
+    """A rank's log tail (``TOGETHER``: several ranks') in a box that stays scrolled to its
+    newest line.
 
     >>> "&lt;b&gt;" in log_html(["<b>"], 0, 0)
     True
     """
-    body = [f"<span style='color:#888'>… {dropped} earlier lines: run.logs({rank})</span>"]
+    where = "run.logs(rank) has each rank's" if rank == TOGETHER else f"run.logs({rank})"
+    body = [f"<span style='color:#888'>… {dropped} earlier lines: {where}</span>"]
     body = body if dropped else []
     for line in lines:
         text = html.escape(line)

@@ -19,14 +19,17 @@ from nbaccel.ui.dashboard.text import BLOCKING_NOTE
 class DashboardWidgets:
     """The widget tree (``.widget``) and its named parts, empty until a dashboard fills them.
 
-    >>> parts = DashboardWidgets([0, 1], 1, blocking=True, can_stop=False)
+    ``choices``: the log selector's (label, rank) pairs, ``rank`` the one shown first.
+
+    >>> parts = DashboardWidgets([("rank 0", 0), ("rank 1", 1)], 1, blocking=True, can_stop=False)
     >>> parts.rank_selector.value, parts.stop_button.disabled, sorted(parts.model_ids)[:3]
     (1, True, ['compare', 'curve', 'curve_legend'])
     """
 
-    def __init__(self, ranks: list[int], rank: int, *, blocking: bool, can_stop: bool) -> None:
+    def __init__(
+        self, choices: list[tuple[str, int]], rank: int, *, blocking: bool, can_stop: bool
+    ) -> None:
         layout = widgets.Layout
-        choices = [(f"rank {r}", r) for r in ranks]
         self.header = _tagged(widgets.HTML(), "nbaccel-header")
         self.rank_selector = _tagged(
             widgets.Dropdown(

@@ -271,14 +271,14 @@ def test_wizard_reasks_from_the_field_a_final_cross_field_error_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A rule naming an earlier field (none in the schema yet) re-walks from that field."""
-    schema_rules = nbaccel.config.schema._check_consistency
+    schema_rules = nbaccel.config.schema.check_consistency
 
     def stricter(config: Config) -> None:
         schema_rules(config)
         if config.mixed_precision == "fp16" and config.log_ranks == "all":
             raise ConfigError("fp16 with log_ranks='all' (test rule).", field="mixed_precision")
 
-    monkeypatch.setattr(nbaccel.config.schema, "_check_consistency", stricter)
+    monkeypatch.setattr(nbaccel.config.schema, "check_consistency", stricter)
     target = tmp_path / "rule.yaml"
     answers = Answers({"mixed_precision": ["fp16", "bf16"], "log_ranks": "all"})
     code, asked = run_wizard(monkeypatch, answers, "--config_file", str(target))

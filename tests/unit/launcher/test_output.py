@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from nbaccel.launcher.output import LineSplitter, render
+from nbaccel.launcher.output import (
+    MAX_MARK_TEXT,
+    LineSplitter,
+    Mark,
+    OutputReader,
+    mark_line,
+    render,
+)
 
 TQDM_LIKE = b"start\n\r  0%|   | 0/3\r 33%|#  | 1/3\r100%|###| 3/3\nend\n"
 
@@ -65,3 +72,40 @@ def test_huge_line_without_break_is_emitted() -> None:
     splitter = LineSplitter()
     lines = splitter.feed(b"x" * 70_000)
     assert lines and len(lines[0][0]) == 70_000
+
+
+MARKED = (
+    b"epoch 1\n 50%\r100%\n"
+    + mark_line("done 1").encode()
+    + b"tail without newline"
+    + mark_line("done 2").encode()
+    + b"\x1b[31mred\x1b[0m\n\x1b[nbaccel-mark "
+    + b"x" * (MAX_MARK_TEXT + 1)  # too long to be a mark: the rank's own bytes
+    + b"\nend\x1b[nbacc"  # a mark's first bytes, and then the output ends
+)
+UNMARKED = MARKED.replace(mark_line("done 1").encode(), b"").replace(
+    mark_line("done 2").encode(), b""
+)
+
+
+def read_all(data: bytes, chunk: int) -> tuple[bytes, list[object]]:
+    reader = OutputReader()
+    kept, items = b"", []
+    for i in range(0, len(data), chunk):
+        more, found = reader.feed(data[i : i + chunk])
+        kept, items = kept + more, items + found
+    more, found = reader.close()
+    return kept + more, items + found
+
+
+def test_marks_come_out_of_the_output_in_order_at_any_chunking() -> None:
+    expected_kept, expected_items = read_all(MARKED, len(MARKED))
+    assert expected_kept == UNMARKED  # the log file keeps what the rank wrote, nothing else
+    marks = [i for i, item in enumerate(expected_items) if isinstance(item, Mark)]
+    assert [expected_items[i] for i in marks] == [Mark("done 1"), Mark("done 2")]
+    # Each mark comes after the lines written before it, a line without its end included.
+    assert expected_items[marks[0] - 1] == ("100%", True, False)
+    assert expected_items[marks[1] - 1] == ("tail without newline", False, False)
+    assert expected_items[-1] == ("end\x1b[nbacc", False, False)
+    for chunk in range(1, len(MARKED)):
+        assert read_all(MARKED, chunk) == (expected_kept, expected_items), chunk

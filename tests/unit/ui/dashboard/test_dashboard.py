@@ -44,7 +44,7 @@ from nbaccel.ui.dashboard.memory import (
     ReportedMemory,
     memory_source,
 )
-from nbaccel.ui.dashboard.model import DashboardModel, MemoryReading
+from nbaccel.ui.dashboard.model import TOGETHER, DashboardModel, MemoryReading
 from nbaccel.ui.dashboard.plots import CurvePlot, MemoryBars, render_summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -116,6 +116,33 @@ def test_a_replace_without_an_open_line_appends() -> None:
     model.handle(line(0, "final"))
     model.handle(line(0, "redraw", replace=True))
     assert model.tail(0) == ["final", "redraw"]
+
+
+def test_ranks_shown_together_are_labelled_live_and_in_the_summary() -> None:
+    model = DashboardModel(world_size=3, together=[0, 1])
+    dash = Dashboard(model, rank=TOGETHER, threaded=False)
+    assert dash.rank_selector.options[0] == ("ranks 0, 1", TOGETHER)
+    dash(RunStarted("r1", 3, "", 0.0))
+    for event in (
+        line(0, "loss 1.0"),
+        line(1, " 5%", partial=True),
+        line(1, "50%", replace=True, partial=True),  # redraws rank 1's own line
+        line(0, "loss 0.5"),
+        line(1, "99%", replace=True, partial=True),  # rank 0's line came between: a new line
+        line(2, "not asked for"),
+    ):
+        dash(event)
+    dash(RunEnded(RunState.SUCCEEDED, None, 1.0, 1.0))
+    dash.tick()
+    shown = ["loss 1.0", "[rank 1] 50%", "loss 0.5", "[rank 1] 99%"]
+    assert dash.visible_log == shown and dash.rank_selector.value == TOGETHER
+    assert "[rank 1] 50%" in dash.log.value
+    summary = dash.summary_text.splitlines()
+    assert summary[-5:] == [
+        "ranks 0, 1, the last 4 lines (each rank's whole log: run.logs(rank)):",
+        *(f"  {text}" for text in shown),
+    ]
+    assert model.tail(1) == ["99%"]  # each rank's own log is there too: one redrawn line
 
 
 def test_header_rates_and_eta_from_metrics() -> None:
