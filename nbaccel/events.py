@@ -195,10 +195,12 @@ class RunEnded:
 @dataclass(frozen=True)
 class ResultReady:
     """A rank's function returned (worker -> parent only): its value, pickled, for
-    ``Run.result``/``results`` (unpickled there, only when asked)."""
+    ``Run.result``/``results`` (unpickled there, only when asked). ``buffers``: where the
+    pickle's out-of-band buffers lie in the rank's result box (segment, offset, length)."""
 
     rank: int
     value: bytes
+    buffers: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,14 @@ class Config:
         "libraries the kernel and the last launch's workers imported (never the notebook's "
         "own modules or editable installs), so a relaunch does not pay their imports again.",
     )
+    shared_memory_limit_gb: float | None = schema_field(
+        None,
+        "GiB of shared memory that large buffers sent to this machine's workers (arrays, "
+        "DataFrames, Arrow tables, tensors) may take, kept between launches while unchanged; "
+        "data beyond it goes through the pipe, a copy per rank. Default: half of this "
+        "machine's memory; 0: never share.",
+        minimum=0.0,
+    )
     detach: bool = schema_field(
         False,
         "Run the workers under a supervisor of their own that outlives the kernel: restarting "

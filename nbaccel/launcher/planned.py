@@ -3,7 +3,8 @@
 ``api.plan`` makes it in the kernel; ``api.start_planned`` starts its workers there, or a
 detached run's supervisor (``supervisor_main.py``) starts them in its own process after
 receiving it pickled. Everything the workers need travels inside: the resolved config, the
-payload bytes, the environment and working folder the kernel had at launch.
+payload (and the fds of its shared-memory segments), the environment and working folder the
+kernel had at launch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nbaccel.config.resolve import Resolved
+from nbaccel.launcher.bootstrap.payload import Payload
 from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.xla_plan import XlaPlan
 
@@ -70,7 +72,7 @@ class Planned:
     xla: XlaPlan | None
     gpus: int  # GPUs the run uses (0: CPU or torch_xla)
     world_size: int
-    payload: bytes  # what every worker reads: function, args, config (payload.py)
+    payload: Payload  # what every worker reads: function, args, config, shared buffers
     env: dict[str, str]  # the launching process's environment, the base of each worker's
     cwd: str
     placement: HostPlacement | None = None  # several machines (hosts=...); None: this one

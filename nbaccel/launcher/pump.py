@@ -59,6 +59,8 @@ from nbaccel.launcher.outcome.failures import Failure, build_error
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.output import Mark, OutputReader, render
 from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.sharing.packing import Packed, close_fds, inline_chunks
+from nbaccel.launcher.sharing.segments import map_private
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
 
@@ -80,6 +82,8 @@ class RankPipes:
     exitcode: int | None = None
     pid: int | None = None  # reported by the worker when it starts
     result: bytes | None = None
+    result_refs: tuple[tuple[int, int, int], ...] = ()  # its buffers in the rank's result box
+    result_map: memoryview | None = None  # that box, mapped (sharing.segments.map_private)
     has_result: bool = False
     attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
@@ -112,6 +116,7 @@ class RunPump:
     _helper: WorkerStarter | None
     _events_file: Any
     _attempts: Attempts
+    _boxes: dict[int, int]  # rank -> its result box, until its value came
 
     def logs(self, rank: int = 0) -> str:
         """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
@@ -243,11 +248,13 @@ class RunPump:
                 self._record({"event": "step_breakdown", "rank": r.rank, **window})
                 self._emit(message)
             case ResultReady():
-                r.result, r.has_result = message.value, True
-                self._keep_result(r.rank, message.value)
+                r.result, r.result_refs, r.has_result = message.value, message.buffers, True
+                self._took_result(r)
+                maps = [r.result_map] if r.result_map is not None else []
+                self._keep_result(r.rank, Packed(message.value, message.buffers), maps)
             case Rank0Value():  # rank 0 ran on another machine: kept as its own value is
                 self._rank0_value = message.value
-                self._keep_result(0, message.value)
+                self._keep_result(0, Packed(message.value))
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModulesImported() if self._helper is not None:  # for the next launch
@@ -255,9 +262,11 @@ class RunPump:
             case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own
                 self._emit(message)
 
-    def _keep_result(self, rank: int, value: bytes) -> None:
+    def _keep_result(self, rank: int, value: Packed, maps: list[memoryview] | None = None) -> None:
+        """The value in the run folder as a plain pickle (its buffers put back in place)."""
         with private_file(self.run_dir / f"result-rank{rank}.pkl", "wb") as file:
-            file.write(value)
+            for chunk in inline_chunks(value, maps or []):
+                file.write(chunk)
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]
@@ -391,7 +400,17 @@ class RunPump:
         self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
         self._done.set()
 
+    def _took_result(self, r: RankPipes) -> None:
+        """Map the rank's result box if its value left buffers there, and close it: no fd
+        outlives the run, and the value's pages live as long as the map."""
+        box = self._boxes.pop(r.rank, None)
+        if box is not None:
+            r.result_map = map_private(box) if r.result_refs else None
+            os.close(box)
+
     def _close_everything(self) -> None:
+        close_fds(self._boxes)  # ranks that sent no value
+        self._boxes.clear()
         if self._helper is not None:
             self._helper.unsubscribe(self.run_id)
         for r in self._ranks.values():

@@ -25,6 +25,7 @@ from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
 from nbaccel.launcher.run_folder import private_file, read_metrics
+from nbaccel.launcher.sharing.packing import Packed, shared_fds, unpack_mapped
 from nbaccel.launcher.starter import WorkerStarter
 from nbaccel.xla_plan import XlaPlan
 
@@ -82,6 +83,9 @@ class Run(RunPump):
         self._helper: WorkerStarter | None = None
         self._events_file: Any = None
         self._attempts = Attempts(config.max_restarts)
+        # Each rank's result box (``_result_box``): mapped when its value comes, closed then
+        # or when the run ends.
+        self._boxes: dict[int, int] = {}
 
     # ----- public API -------------------------------------------------------------
     @property
@@ -190,7 +194,12 @@ class Run(RunPump):
         requests: list[dict[str, Any]],
         payload_fd: int,
         listen_fd: int | None,
+        data_fds: Sequence[int] = (),
+        result_boxes: bool = False,
     ) -> None:
+        """Ask ``helper`` for the workers of ``requests``. ``data_fds``: the shared-memory
+        segments of the payload's buffers, for every worker; ``result_boxes``: give each
+        rank an empty memfd for its value's large buffers (workers on this machine)."""
         self._helper = helper
         with self._wake_lock:
             self._wake_read, self._wake_write = os.pipe()
@@ -202,14 +211,16 @@ class Run(RunPump):
         child_fds: list[int] = []
         try:
             if self._xla is not None:
-                self._start_supervisor(helper, requests, payload_fd)
+                self._start_supervisor(helper, requests, payload_fd, data_fds)
             for request in requests if self._xla is None else ():
                 rank = request["context"].rank
                 log_write, event_write = self._open_rank(rank)
                 child_fds += [log_write, event_write]
                 rendezvous = [listen_fd] if rank == 0 and listen_fd is not None else []
-                fds = [payload_fd, log_write, event_write, *rendezvous]
-                helper.spawn({**request, "run": self.run_id, "rank": rank}, fds)
+                box = [self._result_box(rank)] if result_boxes else []
+                fds = [payload_fd, log_write, event_write, *rendezvous, *data_fds, *box]
+                shared = shared_fds(len(data_fds), box=bool(box))
+                helper.spawn({**request, **shared, "run": self.run_id, "rank": rank}, fds)
                 os.close(log_write)
                 os.close(event_write)
                 child_fds.clear()
@@ -230,19 +241,35 @@ class Run(RunPump):
         threading.Thread(target=self._pump, name=f"nbaccel-run-{self.run_id}", daemon=True).start()
 
     def _start_supervisor(
-        self, helper: WorkerStarter, requests: list[dict[str, Any]], payload_fd: int
+        self,
+        helper: WorkerStarter,
+        requests: list[dict[str, Any]],
+        payload_fd: int,
+        data_fds: Sequence[int],
     ) -> None:
-        """One process for every rank: torch_xla starts the workers (xla_supervisor.py)."""
+        """One process for every rank: torch_xla starts the workers (xla_supervisor.py),
+        handing each the payload's segments (values come back inside the pickle)."""
         fds = [payload_fd]
+        pipes: list[int] = []
         try:
             for request in requests:
-                fds += self._open_rank(request["context"].rank)
-            ranks = [{**request, "xla_plan": self._xla} for request in requests]
-            message = {**requests[0], "run": self.run_id, "rank": 0, "processes": 1}
-            helper.spawn({**message, "xla_plan": self._xla, "ranks": ranks}, fds)
+                pipes += self._open_rank(request["context"].rank)
+            shared = shared_fds(len(data_fds), box=False)
+            ranks = [{**request, **shared, "xla_plan": self._xla} for request in requests]
+            message = {**requests[0], **shared, "run": self.run_id, "rank": 0, "processes": 1}
+            helper.spawn(
+                {**message, "xla_plan": self._xla, "ranks": ranks}, [*fds, *pipes, *data_fds]
+            )
         finally:
-            for fd in fds[1:]:
+            for fd in pipes:
                 os.close(fd)
+
+    def _result_box(self, rank: int) -> int:
+        """An empty memfd for ``rank``'s value: the worker writes its large buffers there,
+        the pump maps them when the value comes (``RunPump._took_result``)."""
+        box = os.memfd_create("nbaccel-result", os.MFD_CLOEXEC)
+        self._boxes[rank] = box
+        return box
 
     def _value(self, rank: int, timeout: float | None) -> Any:
         state = self.wait(timeout)
@@ -258,5 +285,8 @@ class Run(RunPump):
             # Rank 0 on another machine (a job whose machines each have a cell): its value
             # came from the job's store, through this machine's first worker.
             value = here.result if here is not None else self._rank0_value
-            self._results_cache[rank] = pickle.loads(value or pickle.dumps(None))
+            refs = here.result_refs if here is not None else ()
+            maps = [here.result_map] if here is not None and here.result_map is not None else []
+            packed = Packed(value or pickle.dumps(None), refs)
+            self._results_cache[rank] = unpack_mapped(packed, maps)
         return self._results_cache[rank]

@@ -180,11 +180,24 @@ def test_the_layer_check_catches_a_violation() -> None:
 # long as no circle forms (the test below).
 ROOMS: dict[str, dict[str, set[str]]] = {
     "nbaccel.launcher": {
-        "bootstrap": set(),
+        # Large buffers in shared memory: what the payload, agents and the interactive
+        # wire all call, below everything else.
+        "sharing": set(),
+        "bootstrap": {"sharing"},
         "outcome": set(),
-        "xla": {"bootstrap", "control"},
-        "local": {"bootstrap", "xla", "control", "planned", "run", "run_folder", "starter"},
+        "xla": {"bootstrap", "control", "sharing"},
+        "local": {
+            "bootstrap",
+            "xla",
+            "control",
+            "planned",
+            "run",
+            "run_folder",
+            "sharing",
+            "starter",
+        },
         "remote": {
+            "sharing",
             "bootstrap",
             "checks",
             "control",
@@ -208,6 +221,7 @@ ROOMS: dict[str, dict[str, set[str]]] = {
             "printer",
             "pump",
             "run",
+            "sharing",
         },
     },
     "nbaccel.accel": {

@@ -292,3 +292,33 @@ def test_data_parallel_over_two_cpu_devices_all_reduces(tmp_path: Path) -> None:
         )
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert results(done.stdout) == {"0": [3.0, 3.0], "1": [3.0, 3.0]}
+
+
+def test_the_kernels_data_reaches_an_xla_rank_through_shared_memory(tmp_path: Path) -> None:
+    # A tensor held in the session (a kernel that imported torch): its storage goes into one
+    # shared-memory segment, which the supervisor hands to the rank (nbaccel/launcher/sharing).
+    out = run_session(
+        """
+        import json, torch, nbaccel
+        data = torch.arange(1 << 20, dtype=torch.float32)
+        def where():
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    span, *rest = line.split()
+                    low, high = (int(edge, 16) for edge in span.split("-"))
+                    if low <= data.data_ptr() < high:
+                        return " ".join(rest[4:]), float(data.sum())
+        found = nbaccel.notebook_launcher(where, dashboard=False, runs_dir="runs")
+        print("RESULT " + json.dumps([*found, float(data.sum())]))
+        """,
+        tmp_path,
+    )
+    path, total, in_the_session = results_list(out)
+    assert "memfd:nbaccel-data" in path, path
+    assert total == in_the_session
+
+
+def results_list(out: str) -> list[Any]:
+    lines = [line[len("RESULT ") :] for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, out
+    return list(json.loads(lines[-1]))

@@ -6,6 +6,10 @@ compiled classes by reference and refuses open files and sockets). When that fai
 and name the variable that cannot travel, before any process starts. The parent's
 ``sys.path`` and the source of notebook cells (held only in the kernel's linecache) travel
 too, so imports resolve the same way and worker tracebacks show the cell's lines.
+
+Large buffers (arrays, DataFrames, Arrow tables, tensors: a global, a closure's variable or
+an argument) stay out of the pickle: they go into shared memory once, kept there between
+launches while unchanged (``sharing``), and every rank maps the same pages.
 """
 
 from __future__ import annotations
@@ -16,13 +20,32 @@ import pickle
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from nbaccel.config.schema import Config
 from nbaccel.errors import SerializationError
 from nbaccel.launcher.bootstrap import pickling
+from nbaccel.launcher.sharing.cache import Placement, limit_bytes, pack_shared
+from nbaccel.launcher.sharing.packing import Packed
 
 MAX_CELL_SOURCES_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What every worker of a launch reads (``data``: the file they are handed), the
+    shared-memory segments its buffers lie in (their fds travel after the launch's other
+    fds), and why its buffers were not shared, when they were refused (a notice)."""
+
+    data: bytes
+    shared: Placement | None = None
+    notice: str | None = None
+
+    def close(self) -> None:
+        """Close this process's fds of the segments (once handed to every worker)."""
+        if self.shared is not None:
+            self.shared.close()
 
 
 def build_payload(
@@ -30,24 +53,46 @@ def build_payload(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     config: Config,
-) -> bytes:
-    """The bytes every worker reads: function, args, kwargs, config, sys.path, cell sources."""
-    return pickle.dumps(
+) -> Payload:
+    """What every worker reads: function, args, kwargs, config, sys.path, cell sources."""
+    limit = limit_bytes(config.shared_memory_limit_gb)
+    packed, shared, notice = pack_call(function, args, kwargs, limit)
+    data = pickle.dumps(
         {
-            "function": dumps_call(function, args, kwargs),
+            "function": packed.data,
+            "refs": packed.refs,
             "config": config,
             "sys_path": list(sys.path),
             "sources": cell_sources(),
         },
         protocol=5,
     )
+    return Payload(data, shared, notice)
+
+
+def pack_call(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    limit: int,
+) -> tuple[Packed, Placement | None, str | None]:
+    """``(function, args, kwargs)`` packed for this machine's workers (large buffers in
+    shared memory, within ``limit`` bytes: 0 keeps them in the pickle), the placement of
+    those buffers, and why they went inside the pickle when sharing was refused.
+    SerializationError names the variable that cannot travel (interactive workers send
+    each call this way too)."""
+    call = (function, tuple(args), dict(kwargs))
+    try:
+        return pack_shared(call, pickling.dumps, limit)
+    except Exception as error:
+        raise SerializationError(_explain(function, args, kwargs, error)) from error
 
 
 def dumps_call(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> bytes:
-    """``(function, args, kwargs)`` pickled for the workers; SerializationError names the
-    variable that cannot travel (interactive workers send each call this way too)."""
+    """``(function, args, kwargs)`` pickled whole (no shared memory); SerializationError
+    names the variable that cannot travel."""
     try:
         return pickling.dumps((function, tuple(args), dict(kwargs)))
     except Exception as error:

@@ -21,12 +21,16 @@ import builtins
 import importlib
 import io
 import marshal
+import pickle
 import socket
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
+
+from nbaccel.launcher.sharing.tensors import reduce_tensor
 
 PROTOCOL = 5
 
@@ -35,8 +39,12 @@ class CannotTravel(TypeError):
     """An object that cannot be used in another process (an open file, a socket)."""
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: Any, buffer_callback: Callable[[pickle.PickleBuffer], bool] | None = None) -> bytes:
     """Pickle ``obj`` as the workers will receive it (``pickle.loads`` reads it back).
+
+    ``buffer_callback``: protocol 5's (a buffer it returns False for stays out of the
+    pickle: ``sharing.packing.split``); with one, CPU tensors hand out their storage too
+    (``sharing.tensors``).
 
     >>> import pickle
     >>> def add(a, b):
@@ -46,12 +54,25 @@ def dumps(obj: Any) -> bytes:
     (5, True)
     """
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=PROTOCOL).dump(obj)
+    _Pickler(buffer, protocol=PROTOCOL, buffer_callback=buffer_callback).dump(obj)
     return buffer.getvalue()
 
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    def __init__(
+        self,
+        file: io.BytesIO,
+        protocol: int,
+        buffer_callback: Callable[[pickle.PickleBuffer], bool] | None,
+    ) -> None:
+        super().__init__(file, protocol=protocol, buffer_callback=buffer_callback)
+        self._out_of_band = buffer_callback is not None
+
     def reducer_override(self, obj: Any) -> Any:
+        if self._out_of_band:
+            reduced = reduce_tensor(obj)
+            if reduced is not None:
+                return reduced
         if isinstance(obj, types.CodeType):
             return _code_from_marshal, (marshal.dumps(obj),)
         if isinstance(obj, type):

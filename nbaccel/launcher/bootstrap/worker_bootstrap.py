@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,8 @@ from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter, ModulesImported, ResultReady, WorkerFailed
 from nbaccel.launcher.bootstrap import pickling, script
 from nbaccel.launcher.bootstrap.payload import read_payload
+from nbaccel.launcher.sharing.packing import Packed, close_fds, pack_fresh, unpack
+from nbaccel.launcher.sharing.segments import Segment
 from nbaccel.xla_plan import XlaPlan
 
 
@@ -53,6 +55,8 @@ def run_payload(
     finish: Callable[[bytes], None],
     xla: XlaPlan | None = None,
     explain: Callable[[BaseException], str | None] = lambda error: None,
+    data_fds: Sequence[int] = (),
+    box: int | None = None,
 ) -> int:
     """Load the payload, call the function, report its value or error; the exit code.
 
@@ -60,6 +64,8 @@ def run_payload(
     ``finish`` runs after the value was sent, with it pickled (a barrier that keeps rank
     0's store up; where machines launch from their own cells, rank 0's value travels);
     ``explain`` may give a failure a note with the fix (kept: the exception keeps its type).
+    ``data_fds``: the shared-memory segments of the payload's buffers (mapped, then closed);
+    ``box``: where the value's large buffers go (``Run._result_box``), else in the pickle.
     """
     loaded_before = set(sys.modules)  # what the helper (or the interpreter) had already
     try:
@@ -74,18 +80,26 @@ def run_payload(
         activate(session, per_thread=threaded)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         start(config)
-        function, args, kwargs = pickle.loads(payload["function"])
+        call = Packed(payload["function"], payload.get("refs", ()))
+        function, args, kwargs = unpack(call, data_fds)
+        close_fds(data_fds)  # the mapped buffers stay
+        del call, payload
         try:
             value = function(*args, **kwargs)
         except SystemExit as exit_request:
             if exit_request.code not in (0, None):
                 raise
             value = None
-        dumped = dump_result(context.rank, value)
+        if box is None:
+            packed = Packed(dump_result(context.rank, value))
+        else:
+            packed, segment = pack_result(context.rank, value, into=box)
+            if segment is not None:
+                segment.close()  # the kernel holds the box too
         if context.rank == 0 and config.preload_libraries:
             events.send(ModulesImported(0, imported_since(loaded_before)))
-        events.send(ResultReady(context.rank, dumped))
-        finish(dumped)
+        events.send(ResultReady(context.rank, packed.data, packed.refs))
+        finish(packed.data)
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
         note = explain(error)
@@ -112,10 +126,26 @@ def dump_result(rank: int, value: Any, *, sent: str = "returned", keep: str = ""
     try:
         return pickling.dumps(value)
     except Exception as error:
-        raise TypeError(
-            f"the value {sent} on rank {rank} ({type(value).__name__}) cannot be pickled to "
-            f"send it back: {error}. Return plain data (numbers, lists, dicts, tensors){keep}."
-        ) from error
+        raise _not_sendable(rank, value, error, sent, keep) from error
+
+
+def pack_result(
+    rank: int, value: Any, into: int | None = None, *, sent: str = "returned", keep: str = ""
+) -> tuple[Packed, Segment | None]:
+    """``value`` packed to go back to the kernel, its large buffers in a new segment or in
+    ``into`` (a result box the kernel holds too); the caller closes the segment once the
+    kernel has it. Errors as ``dump_result``'s."""
+    try:
+        return pack_fresh(value, pickling.dumps, into=into)
+    except Exception as error:
+        raise _not_sendable(rank, value, error, sent, keep) from error
+
+
+def _not_sendable(rank: int, value: Any, error: Exception, sent: str, keep: str) -> TypeError:
+    return TypeError(
+        f"the value {sent} on rank {rank} ({type(value).__name__}) cannot be pickled to "
+        f"send it back: {error}. Return plain data (numbers, lists, dicts, tensors){keep}."
+    )
 
 
 def error_message(error: BaseException, rank: int) -> WorkerFailed:

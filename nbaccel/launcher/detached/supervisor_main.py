@@ -41,7 +41,8 @@ def main(plan_file: str) -> int:
         os.unlink(plan_file)
     server = AttachServer()
     try:
-        run = start_planned(planned, show=server.show)
+        # Values travel on to a kernel that attaches: whole, not in this process's memory.
+        run = start_planned(planned, show=server.show, result_boxes=False)
     except BaseException as error:  # noqa: BLE001 - the kernel raises it
         server.close()
         print(f"{FAILED} {pickle.dumps(error).hex()}", flush=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 from nbaccel import unpickling
 from nbaccel.events import WorkerFailed
-from nbaccel.launcher.interactive.wire import recv_frame, send_frame
+from nbaccel.launcher.interactive.wire import recv_frame_fds, send_frame
 from nbaccel.launcher.outcome.failures import Failure, build_error, choose_culprit
 
 
@@ -67,15 +67,15 @@ class Replies:
                 rank: int = key.data
                 conn: socket.socket = key.fileobj  # type: ignore[assignment]
                 try:
-                    frame = recv_frame(conn)
+                    frame, fds = recv_frame_fds(conn)
                 except OSError:
-                    frame = None
+                    frame, fds = None, []
                 if frame is None:
                     self._selector.unregister(conn)
                     watched -= 1
                     self._queue.put({"rank": rank, "lost": True})
-                else:
-                    self._queue.put(unpickling.loads(frame))
+                else:  # "fds": the segments of the value's buffers (the taker closes them)
+                    self._queue.put({**unpickling.loads(frame), "fds": fds})
 
 
 class Sender:
@@ -86,15 +86,19 @@ class Sender:
 
     def __init__(self, conns: Mapping[int, socket.socket]) -> None:
         self._conns = dict(conns)
-        self._jobs: queue.SimpleQueue[tuple[bytes, threading.Event] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[bytes, tuple[int, ...], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
         self.failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="nbaccel-send", daemon=True)
         self._thread.start()
 
-    def send(self, frame: bytes) -> threading.Event:
-        """Queue ``frame`` for every rank; the event is set once all have it (or it failed)."""
+    def send(self, frame: bytes, fds: Sequence[int] = ()) -> threading.Event:
+        """Queue ``frame`` (with ``fds``: shared-memory segments, which stay the caller's
+        until the event is set) for every rank; the event is set once all have it (or it
+        failed)."""
         done = threading.Event()
-        self._jobs.put((frame, done))
+        self._jobs.put((frame, tuple(fds), done))
         return done
 
     def close(self) -> None:
@@ -103,11 +107,11 @@ class Sender:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            frame, done = job
+            frame, fds, done = job
             self.failure = None
             try:
                 for conn in self._conns.values():
-                    send_frame(conn, frame)
+                    send_frame(conn, frame, fds)
             except OSError as error:
                 self.failure = error
             done.set()

@@ -26,6 +26,7 @@ import linecache
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import types
@@ -36,15 +37,17 @@ import torch
 
 from nbaccel.context import active_session
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
-from nbaccel.launcher.bootstrap.worker_bootstrap import dump_result, error_message
+from nbaccel.launcher.bootstrap.worker_bootstrap import dump_result, error_message, pack_result
 from nbaccel.launcher.interactive.wire import (
     connect,
     done_mark,
-    recv_frame,
+    recv_frame_fds,
     send_frame,
     worker_handshake,
 )
 from nbaccel.launcher.output import mark_line
+from nbaccel.launcher.sharing.packing import Packed, close_fds, unpack
+from nbaccel.launcher.sharing.segments import Segment
 
 
 class _Interrupts:
@@ -77,25 +80,38 @@ def serve(address: str, token: str) -> None:
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     interrupts = _Interrupts()
     signal.signal(signal.SIGINT, interrupts)
+    local = sock.family == socket.AF_UNIX  # values' buffers go back in shared memory
     try:
-        while (frame := recv_frame(sock)) is not None:
+        while True:
+            frame, fds = recv_frame_fds(sock)
+            if frame is None:
+                break
             command = pickle.loads(frame)
-            reply = _execute(command, namespace, rank, interrupts)
+            command["fds"] = fds
+            reply, segment = _execute(command, namespace, rank, interrupts, local)
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             flush_c_stdio()
             sys.stdout.write(mark_line(done_mark(command["seq"])))
             sys.stdout.flush()
-            send_frame(sock, pickle.dumps(reply, protocol=5))
+            send_frame(sock, pickle.dumps(reply, protocol=5), [segment.fd] if segment else [])
+            if segment is not None:
+                segment.close()  # the kernel holds it now
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sock.close()
 
 
 def _execute(
-    command: dict[str, Any], namespace: dict[str, Any], rank: int, interrupts: _Interrupts
-) -> dict[str, Any]:
+    command: dict[str, Any],
+    namespace: dict[str, Any],
+    rank: int,
+    interrupts: _Interrupts,
+    local: bool,
+) -> tuple[dict[str, Any], Segment | None]:
+    """Run one command; the reply, and the segment holding its value's large buffers."""
     reply: dict[str, Any] = {"seq": command["seq"], "rank": rank, "status": "ok", "value": None}
+    segment = None
     started = time.monotonic()
     try:
         for filename, lines in command.get("sources", {}).items():
@@ -105,7 +121,13 @@ def _execute(
             value = _OPERATIONS[command["op"]](command, namespace)
         finally:
             interrupts.running = False
-        reply["value"] = dump_result(rank, value, sent="returned or pulled", keep=KEEP_IN_NAMESPACE)
+            close_fds(command["fds"])  # what was mapped stays
+        sent, keep = "returned or pulled", KEEP_IN_NAMESPACE
+        if local:
+            packed, segment = pack_result(rank, value, sent=sent, keep=keep)
+            reply["value"], reply["refs"] = packed.data, packed.refs
+        else:
+            reply["value"] = dump_result(rank, value, sent=sent, keep=keep)
     except KeyboardInterrupt:
         reply["status"] = "interrupted"
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
@@ -113,12 +135,17 @@ def _execute(
         reply["error"] = error_message(_from_user_code(error), rank)
     reply["seconds"] = time.monotonic() - started
     reply["memory"] = memory_now()
-    return reply
+    return reply, segment
 
 
 def _run(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
-    function, args, kwargs = pickle.loads(command["call"])
+    function, args, kwargs = _sent_call(command)
     return in_namespace(function, namespace)(*args, **kwargs)
+
+
+def _sent_call(command: dict[str, Any]) -> Any:
+    """The ``(function, args, kwargs)`` a command carries, its buffers mapped."""
+    return unpack(Packed(command["call"], command.get("refs", ())), command["fds"])
 
 
 def in_namespace(function: Any, namespace: dict[str, Any]) -> Any:
@@ -163,7 +190,7 @@ def _exec(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
 
 
 def _push(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
-    _, _, values = pickle.loads(command["values"])  # packed as a call: dict(**values)
+    _, _, values = _sent_call(command)  # packed as a call: dict(**values)
     namespace.update(values)
     return None
 

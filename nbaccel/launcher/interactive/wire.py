@@ -6,20 +6,25 @@ that no signal interrupts, or the stream would lose its place (``workers.py``, `
 
 On one machine the connection is an abstract Unix socket whose peer must be this user
 (``control.same_user``); on several (``hosts=``) it is TCP to the kernel's address facing
-the hosts. Either way, before anything is unpickled on either side, each side proves that it
-knows the launch's secret (sent to the workers inside the payload, over SSH): an HMAC of the
-other side's fresh nonce. Stdlib only.
+the hosts. On a Unix socket a frame may carry fds (the shared-memory segments of a value's
+large buffers: ``sharing``), sent with its header's first bytes. Either way, before
+anything is unpickled on either side, each side proves that it knows the launch's secret
+(sent to the workers inside the payload, over SSH): an HMAC of the other side's fresh
+nonce. Stdlib only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import socket
 import struct
+from collections.abc import Sequence
 
 _LENGTH = struct.Struct("!Q")
+_MAX_FDS = 64  # segments a frame may carry: a value's buffers go into one
 ADDRESS_PREFIX = "\0nbaccel-workers-"  # abstract: no file to leave behind, checked by uid
 # The mark (``output.mark_line``) a rank puts in its output after each command's (``serve``):
 # the kernel's relay then knows that the command's output has all been shown.
@@ -41,9 +46,15 @@ def done_seq(mark: str) -> int | None:
     return int(number) if mark.startswith(_DONE) and number.isdigit() else None
 
 
-def send_frame(sock: socket.socket, data: bytes) -> None:
-    """Send one frame (blocking)."""
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+def send_frame(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
+    """Send one frame (blocking); ``fds`` (shared-memory segments) go with its first bytes,
+    on a Unix socket only."""
+    head = _LENGTH.pack(len(data))
+    if fds:
+        sent = socket.send_fds(sock, [head], list(fds))
+        sock.sendall(head[sent:] + data)
+    else:
+        sock.sendall(head + data)
 
 
 def recv_frame(sock: socket.socket) -> bytes | None:
@@ -54,10 +65,41 @@ def recv_frame(sock: socket.socket) -> bytes | None:
     >>> recv_frame(b), recv_frame(b)
     (b'hello', None)
     """
-    head = _read_exactly(sock, _LENGTH.size)
-    if head is None:
-        return None
-    return _read_exactly(sock, _LENGTH.unpack(head)[0])
+    frame, fds = recv_frame_fds(sock)
+    for fd in fds:  # a caller that reads no fds takes none
+        os.close(fd)
+    return frame
+
+
+def recv_frame_fds(sock: socket.socket) -> tuple[bytes | None, list[int]]:
+    """Read one whole frame and the fds sent with it (the caller closes them).
+
+    >>> a, b = socket.socketpair(socket.AF_UNIX)
+    >>> r, w = os.pipe()
+    >>> send_frame(a, b"with a pipe", [w]); os.close(w)
+    >>> frame, fds = recv_frame_fds(b)
+    >>> os.write(fds[0], b"!"), os.read(r, 1), frame
+    (1, b'!', b'with a pipe')
+    """
+    fds: list[int] = []
+    head = b""
+    while len(head) < _LENGTH.size:  # the fds come with the header's first bytes
+        if sock.family == socket.AF_UNIX:
+            chunk, more, _flags, _addr = socket.recv_fds(sock, _LENGTH.size - len(head), _MAX_FDS)
+            fds += more
+        else:
+            chunk = sock.recv(_LENGTH.size - len(head))
+        if not chunk:
+            for fd in fds:
+                os.close(fd)
+            return None, []
+        head += chunk
+    frame = _read_exactly(sock, _LENGTH.unpack(head)[0])
+    if frame is None:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return frame, fds
 
 
 def connect(address: str) -> socket.socket:

@@ -26,11 +26,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from nbaccel.config.resolve import ConfigSource
 from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
-from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, dumps_call
+from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, pack_call
 from nbaccel.launcher.interactive.calls import (
     Replies,
     Sender,
@@ -44,6 +46,8 @@ from nbaccel.launcher.interactive.relay import CellRelay
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
+from nbaccel.launcher.sharing.cache import limit_bytes
+from nbaccel.launcher.sharing.packing import Packed, close_fds, unpack
 
 INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the group is ended
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
@@ -72,7 +76,7 @@ class WorkerGroup:
         self._config = config
         self._overrides = dict(overrides)
         self._seq = 0
-        self.memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
+        self._memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
         self._run: Run | None = None
         self._ended_why = ""  # what ended the workers, said by every later call
         self._start()
@@ -99,6 +103,24 @@ class WorkerGroup:
         return self._last_run.logs(rank)
 
     @property
+    def memory(self) -> dict[int, dict[str, int]]:
+        """Each rank's memory in bytes: ``rss`` (resident) after the last call, with its
+        device's ``cuda_allocated``/``cuda_reserved``; for ranks on this machine, read now,
+        ``uss`` (pages this rank alone holds) and ``pss`` (its share of the pages it shares:
+        data in shared memory counts once over the ranks that map it, so the ranks' PSS
+        add up to what they take together). Reading USS/PSS walks each rank's page tables:
+        milliseconds per GiB, so only when asked."""
+        memory = {rank: dict(values) for rank, values in self._memory.items()}
+        if self._local:  # pids of another machine are no processes of this one
+            for rank, pid in self._pids.items():
+                try:
+                    full = psutil.Process(pid).memory_full_info()
+                except (psutil.Error, OSError):
+                    continue  # ended, or on another machine
+                memory.setdefault(rank, {}).update(uss=full.uss, pss=full.pss)
+        return memory
+
+    @property
     def alive(self) -> bool:
         return self._run is not None and not self._run.state.done
 
@@ -110,11 +132,10 @@ class WorkerGroup:
         ``KeyboardInterrupt`` and leaves the workers ready for the next call.
         """
         __tracebackhide__ = True  # IPython shows the cell, not nbaccel's frames
-        call = dumps_call(function, args, kwargs)
         # A cell's function takes the kernel's globals with it (serve.in_namespace's rule).
         by_value = isinstance(function, types.FunctionType) and function.__module__ == "__main__"
         names = function.__globals__ if by_value else None
-        return self._call({"op": "run", "call": call}, kernel_names=names)
+        return self._call({"op": "run"}, kernel_names=names, sending=(function, args, kwargs))
 
     def run_cell(
         self,
@@ -138,7 +159,7 @@ class WorkerGroup:
 
     def push(self, **values: Any) -> None:
         """Set ``name=value`` in every rank's namespace (the same value on each)."""
-        self._call({"op": "push", "values": dumps_call(dict, (), values)}, shown=False)
+        self._call({"op": "push"}, shown=False, sending=(dict, (), values))
 
     def pull(self, name: str) -> dict[int, Any]:
         """``{rank: value}`` of ``name`` in every rank's namespace."""
@@ -148,7 +169,7 @@ class WorkerGroup:
     def free_memory(self) -> dict[int, dict[str, int]]:
         """Collect garbage and empty the device's cache on every rank; memory after it."""
         self._call({"op": "free"}, shown=False)
-        return dict(self.memory)
+        return self.memory
 
     def restart(self) -> None:
         """End the workers and start them afresh with the same config (namespaces empty)."""
@@ -184,6 +205,9 @@ class WorkerGroup:
         config = planned.resolved.config
         token = secrets.token_hex(32)
         listener, address = listen(planned, token)
+        # Shared memory reaches ranks over the Unix socket (its frames carry fds), not TCP.
+        self._local = listener.family == socket.AF_UNIX
+        self._share_limit = limit_bytes(config.shared_memory_limit_gb) if self._local else 0
         payload = build_payload(serve_on_rank, (address, token), {}, config)
         # The payload carries the cells' source lines known now; each call sends newer ones.
         self._sent_sources = set(cell_sources())
@@ -239,13 +263,24 @@ class WorkerGroup:
         *,
         shown: bool = True,
         kernel_names: Mapping[str, Any] | None = None,
+        sending: tuple[Callable[..., Any], tuple[Any, ...], Mapping[str, Any]] | None = None,
     ) -> dict[int, Any]:
         """Send ``command`` to every rank and return their values. ``shown``: the call gets
         a display of its own (a dashboard in a kernel); push, pull and free_memory print
         what the ranks print, as text, and nothing else. ``kernel_names``: where the call's
-        names come from in the kernel (a NameError on a rank says when one is there)."""
+        names come from in the kernel (a NameError on a rank says when one is there).
+        ``sending``: a call ``(function, args, kwargs)`` that travels with it
+        (``command["call"]``), its large buffers in shared memory on one machine."""
         __tracebackhide__ = True
         run = self._live_run()
+        shared = None
+        if sending is not None:
+            packed, shared, notice = pack_call(*sending, self._share_limit)
+            if notice:
+                print(
+                    f"nbaccel: {notice}: sent inside the message, a copy per rank", file=sys.stderr
+                )
+            command = {**command, "call": packed.data, "refs": packed.refs}
         self._seq += 1
         seq = self._seq
         new_sources = {k: v for k, v in cell_sources().items() if k not in self._sent_sources}
@@ -256,23 +291,27 @@ class WorkerGroup:
         started = time.time()
         display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
         error: BaseException | None = None
+        replies: dict[int, dict[str, Any]] = {}
         try:
             interrupted = False
-            sent = self._sender.send(frame)  # on its own thread: an interrupt cannot cut it
+            fds = shared.fds if shared is not None else ()
+            sent = self._sender.send(frame, fds)  # on its own thread: an interrupt cannot cut it
             while True:
                 try:
                     if sent.wait(0.25):
                         break
                 except KeyboardInterrupt:
                     interrupted = True  # once every rank has the command
+            if shared is not None:
+                shared.close()  # every rank holds the segments now
             if self._sender.failure is not None:
                 failure = self._sender.failure
                 raise self._ended(run, f"sending a command to the workers failed ({failure!r})")
-            replies = self._wait(run, interrupted)
+            self._wait(run, interrupted, replies)
             # Every rank's output, shown or not: its log is whole when the call returns (each
             # rank wrote its mark before its reply: it is on its way, if not in already).
             self._relay.wait_output(seq, run.ranks, OUTPUT_GRACE)
-            self.memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
+            self._memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
             errors = _errors(replies)
             if errors:
                 failed = build_cell_error(
@@ -282,26 +321,30 @@ class WorkerGroup:
                 raise failed
             if any(r["status"] == "interrupted" for r in replies.values()):
                 raise KeyboardInterrupt
-            return {rank: pickle.loads(r["value"]) for rank, r in sorted(replies.items())}
+            return {
+                rank: unpack(Packed(r["value"], r.get("refs", ())), r["fds"])
+                for rank, r in sorted(replies.items())
+            }
         except BaseException as failed:
             error = failed
             raise
         finally:
+            for reply in replies.values():
+                close_fds(reply.get("fds", ()))  # what was mapped stays
             state = RunState.SUCCEEDED if error is None else RunState.FAILED
             if isinstance(error, KeyboardInterrupt):
                 state, error = RunState.CANCELLED, None
             display(RunEnded(state, error, time.time() - started, time.time()))
             self._relay.target = self._idle
 
-    def _wait(self, run: Run, interrupted: bool) -> dict[int, dict[str, Any]]:
-        """Every rank's reply. An interrupt (here, or while the command was being sent) gets
-        the ranks SIGINT at once; one rank's error gets the ranks still busy SIGINT after
-        ``INTERRUPT_GRACE`` (they may be waiting for it in a collective). SIGINT goes again
-        each second to the ranks still busy (one that started the command after the first
-        took nothing; a rank takes one interrupt per command). A rank still busy
-        ``INTERRUPT_GRACE`` after the first SIGINT (stuck in a collective or in C code)
+    def _wait(self, run: Run, interrupted: bool, replies: dict[int, dict[str, Any]]) -> None:
+        """Every rank's reply, into ``replies``. An interrupt (here, or while the command
+        was being sent) gets the ranks SIGINT at once; one rank's error gets the ranks still
+        busy SIGINT after ``INTERRUPT_GRACE`` (they may be waiting for it in a collective).
+        SIGINT goes again each second to the ranks still busy (one that started the command
+        after the first took nothing; a rank takes one interrupt per command). A rank still
+        busy ``INTERRUPT_GRACE`` after the first SIGINT (stuck in a collective or in C code)
         ends the group; a second interrupt here ends it at once."""
-        replies: dict[int, dict[str, Any]] = {}
         deadline: float | None = None  # when the ranks still busy get SIGINT, or are given up
         signalled_at: float | None = None
         reason = ""
@@ -330,7 +373,6 @@ class WorkerGroup:
                 signalled_at = time.monotonic()
                 deadline = signalled_at + INTERRUPT_GRACE
                 self._interrupt(run, replies)
-        return replies
 
     def _interrupt(self, run: Run, replies: Mapping[int, Any]) -> None:
         busy = sorted(set(self._conns) - set(replies))

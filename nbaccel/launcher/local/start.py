@@ -25,8 +25,10 @@ from nbaccel.launcher.run_folder import make_run_dir, write_config
 from nbaccel.xla_plan import xla_worker_env
 
 
-def start_planned(planned: Planned, *, show: Display) -> Run:
-    """Start a planned launch's workers in this process's helper; ``show`` sees the run."""
+def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True) -> Run:
+    """Start a planned launch's workers in this process's helper; ``show`` sees the run.
+    ``result_boxes``: values come back with their large buffers in shared memory (a
+    detached run's supervisor, which sends values on to a kernel, takes them whole)."""
     resolved, xla, gpus, run_id = planned.resolved, planned.xla, planned.gpus, planned.run_id
     # Bind the rendezvous port here and hand the listening socket to rank 0: the port is
     # held from the moment it is chosen, so no other process can take it.
@@ -36,15 +38,16 @@ def start_planned(planned: Planned, *, show: Display) -> Run:
     except BaseException:
         listener.close()
         raise
+    payload = planned.payload
     with tempfile.TemporaryFile() as payload_file, listener:
         helper = shared_helper()  # started on first use; it imports torch while we go on
         helper.preload_wanted = resolved.config.preload_libraries
         offer_libraries(helper)  # for the next launch: the helper is busy with this one
         write_config(run_dir, resolved)
         run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
-        run.notices = take_notices()
+        run.notices = take_notices() + ([payload.notice] if payload.notice else [])
         show(run, gpus)
-        payload_file.write(planned.payload)
+        payload_file.write(payload.data)
         payload_file.flush()
         port = listener.getsockname()[1]
         requests = [
@@ -58,7 +61,18 @@ def start_planned(planned: Planned, *, show: Display) -> Run:
         ]
         # torch_xla's rank 0 serves its own store on MASTER_PORT: the port is released for it
         # when this block ends, just before its workers start (they take seconds to import).
-        run.start(helper, requests, payload_file.fileno(), listener.fileno())
+        data_fds = payload.shared.fds if payload.shared is not None else []
+        try:
+            run.start(
+                helper,
+                requests,
+                payload_file.fileno(),
+                listener.fileno(),
+                data_fds,
+                result_boxes=result_boxes,
+            )
+        finally:
+            payload.close()  # every worker holds the segments now
     return run
 
 

@@ -25,6 +25,7 @@ from nbaccel.context import ProcessContext
 from nbaccel.events import EventWriter, WorkerStarted
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, run_payload
+from nbaccel.launcher.sharing.packing import take_shared
 
 # Rank 0's TCPStore server: kept alive for the process's lifetime, reused by
 # init_process_group() through the multi-tenant store registry.
@@ -37,7 +38,9 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     if os.getppid() != helper_pid:  # the helper died between fork and prctl
         os._exit(1)
     # fds: payload, rank 0's log and events pipes, then rank 0's listening socket, or for
-    # a torch_xla launch (one supervisor for every rank) the other ranks' pipes.
+    # a torch_xla launch (one supervisor for every rank) the other ranks' pipes; last, the
+    # payload's shared-memory segments and this rank's result box (sharing.packing).
+    fds, data_fds, box = take_shared(fds, request)
     payload_fd, log_fd, events_fd, *rest = fds
     supervisor = "xla_plan" in request
     # A supervisor writes into rank 0's log too, and hands that pipe on to rank 0's worker.
@@ -51,7 +54,7 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     if supervisor:
         from nbaccel.launcher.xla.supervisor import supervise
 
-        code = supervise(request, [payload_fd, log_fd, events_fd, *rest])
+        code = supervise(request, [payload_fd, log_fd, events_fd, *rest], data_fds)
     else:
         events = EventWriter(events_fd)
         context: ProcessContext = request["context"]
@@ -63,6 +66,8 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
             payload_fd,
             start=lambda config: _start_distributed(context, config, listen_fd),
             finish=lambda value: _finish_distributed(),
+            data_fds=data_fds,
+            box=box,
         )
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -31,6 +31,8 @@ from typing import Any
 
 from nbaccel.launcher.remote.store_socket import listen_where_reached
 from nbaccel.launcher.run_folder import private_folder
+from nbaccel.launcher.sharing.packing import close_fds
+from nbaccel.launcher.sharing.segments import Segment
 
 MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
 RESOLVE_TIMEOUT = 5.0  # a rendezvous address that takes longer to resolve fails the launch
@@ -210,6 +212,9 @@ def run_host(
     private_folder(run_dir)
     payload_fd = os.memfd_create("nbaccel-payload")
     os.write(payload_fd, start["payload"])
+    # The payload's large buffers, received once for this host: one segment each, which
+    # every worker forked below maps (sharing.segments).
+    data_fds = [_segment(data) for data in start.get("data", ())]
     # elastic keeps a folder of per-worker error files; ours, removed at the end.
     elastic_dir = tempfile.mkdtemp(prefix="nbaccel-elastic-")
     rdzv_configs: dict[str, Any] = {"join_timeout": start["join_timeout"]}
@@ -263,6 +268,7 @@ def run_host(
             stop_fd,
             bool(start.get("share_rank0", False)),
             start.get("memory_host"),
+            tuple(data_fds),
         )
         return True, {int(rank): 0 for rank in values}
     except ChildFailedError as error:
@@ -274,7 +280,14 @@ def run_host(
     finally:
         del served
         os.close(payload_fd)
+        close_fds(data_fds)
         shutil.rmtree(elastic_dir, ignore_errors=True)
+
+
+def _segment(data: bytes) -> int:
+    """A memfd holding ``data`` (elastic forks the workers: they inherit it)."""
+    segment, _ = Segment.write([memoryview(data)])
+    return segment.fd
 
 
 def _serve_store(start: dict[str, Any], listener: socket.socket) -> object:

@@ -42,6 +42,7 @@ def run_elastic_worker(
     stop_fd: int,
     share_rank0: bool,
     host: str | None,
+    data_fds: tuple[int, ...] = (),
 ) -> None:
     """The entry point torch elastic calls in each forked worker (a module-level function).
 
@@ -50,7 +51,9 @@ def run_elastic_worker(
     again (elastic restarts a group whose workers a stop interrupted). ``share_rank0``: each
     machine has its own kernel (``num_nodes=``), and each returns rank 0's value. ``host``:
     the kernel's name for this host when it is another machine, whose processes the kernel
-    cannot read: the worker reports its own memory (``memory_reports``)."""
+    cannot read: the worker reports its own memory (``memory_reports``). ``data_fds``: the
+    payload's shared-memory segments, which the agent made (inherited, so duplicated here:
+    elastic may fork this function again after a restart)."""
     os.setsid()  # a stop from the agent reaches this worker's children too (DataLoader)
     set_parent_death_signal(signal.SIGKILL)  # the agent gone: so are we
     if select.select([stop_fd], [], [], 0)[0]:
@@ -92,7 +95,10 @@ def run_elastic_worker(
         _finish()
 
     try:
-        code = run_payload(context, events, os.dup(payload_fd), start=start, finish=finish)
+        data = [os.dup(fd) for fd in data_fds]
+        code = run_payload(
+            context, events, os.dup(payload_fd), start=start, finish=finish, data_fds=data
+        )
     finally:
         stop_reports()
     for stream in (sys.stdout, sys.stderr):

@@ -73,11 +73,17 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
         ranks = placement.ranks()
         run = Run(planned.run_id, run_dir, config, planned.world_size, ranks=ranks)
         show(run, planned.gpus)
+        payload = planned.payload
+        run.notices = [payload.notice] if payload.notice else []
         with tempfile.TemporaryFile() as payload_file:
-            payload_file.write(planned.payload)
+            payload_file.write(payload.data)
             payload_file.flush()
             requests = [{"context": _context(planned, r)} for r in ranks]
-            run.start(starter, requests, payload_file.fileno(), None)
+            data_fds = payload.shared.fds if payload.shared is not None else []
+            try:  # each agent receives the segments' bytes once and shares them on its host
+                run.start(starter, requests, payload_file.fileno(), None, data_fds)
+            finally:
+                payload.close()
     except BaseException:
         starter.close()
         raise

@@ -35,6 +35,8 @@ from nbaccel.launcher.bootstrap.payload import read_payload
 from nbaccel.launcher.planned import JobMachine
 from nbaccel.launcher.remote.agent_link import AGENT_ARGV, AGENTS, AgentLink
 from nbaccel.launcher.remote_shell import RemoteShell
+from nbaccel.launcher.sharing.packing import take_shared
+from nbaccel.launcher.sharing.segments import read_all
 from nbaccel.launcher.starter import StarterListener
 
 STDERR_TAIL_LINES = 20
@@ -76,6 +78,7 @@ class RemoteHosts:
         self._lock = threading.Lock()
         self._pipes: dict[int, tuple[int, int]] = {}  # rank -> (log fd, event fd), ours
         self._payload = b""
+        self._data: list[bytes] = []  # the payload's shared-memory segments, copied
         self._start: dict[str, Any] = {}
         self._unheard: list[dict[str, Any]] = []  # failures before anyone subscribed
         self._over = [threading.Event() for _ in self.hosts]  # "done", "failed" or gone
@@ -121,9 +124,13 @@ class RemoteHosts:
 
     def spawn(self, request: dict[str, Any], fds: list[int]) -> None:
         rank = int(request["rank"])
+        fds, data_fds, _ = take_shared(fds, request)
         with self._lock:
             if not self._payload:
                 self._payload = read_payload(fds[0])
+                # The payload's shared-memory segments, read once: each agent gets them
+                # once and shares them with its host's ranks (agent_run).
+                self._data = [read_all(fd) for fd in data_fds]
             self._pipes[rank] = (os.dup(fds[1]), os.dup(fds[2]))
             complete = len(self._pipes) == self.world_size
         if complete:
@@ -173,6 +180,7 @@ class RemoteHosts:
             **self._start,
             "op": "start",
             "payload": self._payload,
+            "data": self._data,
             "nproc": self.shares[index],
             # Another machine: its workers report their memory, named after this host.
             "memory_host": None if self.local else self.hosts[index],

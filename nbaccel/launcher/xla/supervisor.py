@@ -22,6 +22,7 @@ import secrets
 import socket
 import threading
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from nbaccel.events import EventWriter
@@ -36,10 +37,15 @@ class Handout:
     """Serves each rank's request and pipes to the worker that asks with that ordinal."""
 
     def __init__(
-        self, requests: list[dict[str, Any]], payload_fd: int, pipes: list[tuple[int, int]]
+        self,
+        requests: list[dict[str, Any]],
+        payload_fd: int,
+        pipes: list[tuple[int, int]],
+        data_fds: Sequence[int] = (),
     ) -> None:
         self.requests = requests
         self.payload_fd = payload_fd
+        self.data_fds = list(data_fds)  # the payload's shared-memory segments, for every rank
         self.pipes = pipes  # rank -> (log write end, event write end)
         self.connected: set[int] = set()
         self.finished: set[int] = set()  # ranks that reported their value or error
@@ -83,7 +89,8 @@ class Handout:
             with self._lock:
                 self.connected.add(rank)
             log_fd, event_fd = self.pipes[rank]
-            control.send(conn, self.requests[rank], [self.payload_fd, log_fd, event_fd])
+            fds = [self.payload_fd, log_fd, event_fd, *self.data_fds]
+            control.send(conn, self.requests[rank], fds)
             done, _ = control.receive(conn)  # the worker's last word, or EOF if it died
             with self._changed:
                 (self.finished if done is not None else self.died).add(rank)
@@ -123,13 +130,14 @@ def report(event_fd: int, rank: int, error: BaseException, cause: str = "error")
     EventWriter(event_fd).send(dataclasses.replace(error_message(error, rank), cause=cause))
 
 
-def supervise(request: dict[str, Any], fds: list[int]) -> int:
-    """Run the launch described by ``request``; the supervisor's exit code."""
+def supervise(request: dict[str, Any], fds: list[int], data_fds: Sequence[int] = ()) -> int:
+    """Run the launch described by ``request``; the supervisor's exit code. ``data_fds``:
+    the payload's shared-memory segments, handed to every rank."""
     plan: XlaPlan = request["xla_plan"]
     requests: list[dict[str, Any]] = request["ranks"]
     payload_fd, *pipe_fds = fds
     pipes = [(pipe_fds[2 * r], pipe_fds[2 * r + 1]) for r in range(len(requests))]
-    handout = Handout(requests, payload_fd, pipes)
+    handout = Handout(requests, payload_fd, pipes, data_fds)
     try:
         _launch(plan, handout.address)
         return 0

@@ -27,6 +27,7 @@ from nbaccel.events import EventWriter, WorkerStarted
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, error_message, run_payload
+from nbaccel.launcher.sharing.packing import take_shared
 from nbaccel.xla_plan import XlaPlan, explain_xla_failure
 
 _process_lock = threading.Lock()
@@ -44,12 +45,13 @@ def xla_entry(index: int, address: str) -> None:
         request, fds = control.receive(conn)
         if request is None or "error" in request:
             raise RuntimeError(f"nbaccel's supervisor refused rank {index}: {request}")
-        payload_fd, log_fd, events_fd = fds
+        own, data_fds, _ = take_shared(fds, request)
+        payload_fd, log_fd, events_fd = own
         plan: XlaPlan = request["xla_plan"]
         context: ProcessContext = request["context"]
         events = EventWriter(events_fd)
         try:
-            code = _run_rank(request, plan, context, events, payload_fd, log_fd)
+            code = _run_rank(request, plan, context, events, payload_fd, log_fd, data_fds)
         except BaseException as error:  # noqa: BLE001 - our own set-up failed: say so
             events.send(error_message(error, context.rank))
             code = 1
@@ -66,6 +68,7 @@ def _run_rank(
     events: EventWriter,
     payload_fd: int,
     log_fd: int,
+    data_fds: list[int],
 ) -> int:
     _set_up(request, log_fd, threaded=plan.devices_per_process > 1)
     events.send(WorkerStarted(context.rank, os.getpid(), time.time()))
@@ -79,6 +82,7 @@ def _run_rank(
             finish=lambda value: None,
             xla=plan,
             explain=lambda error: explain_xla_failure(str(error)),
+            data_fds=data_fds,
         )
     finally:
         stop_memory()

@@ -232,6 +232,8 @@ class DashboardModel:
                 reading.current,
                 max(peaks) if peaks else None,
                 reading.limit,
+                private=reading.private,
+                proportional=reading.proportional,
                 last=last,
                 baseline=baseline,
             )

@@ -17,6 +17,11 @@ class MemoryReading:
     current: int | None
     peak: int | None
     limit: int | None
+    # CPU workers: of ``current`` (RSS), the pages this process alone holds (USS), and its
+    # share of the pages it shares with others (PSS: data in shared memory, mapped by every
+    # rank, counts once over them, so the ranks' PSS add up to what they take together).
+    private: int | None = None
+    proportional: int | None = None
     # Context, not part of the reading itself (so not compared: two readings of the same
     # figures are equal whatever came before them).
     # The latest known ``current`` (kept when a reading comes back "n/a": the worker ended).

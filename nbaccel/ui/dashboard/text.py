@@ -109,6 +109,9 @@ def summary_text(model: DashboardModel) -> str:
             f"memory {r.device}: {size_text(r.peak)} peak, {size_text(r.last)} last, "
             f"{size_text(r.limit)} limit"
         )
+    together = shared_once_text(model.memory)
+    if together:
+        lines.append(f"memory: {together}")
     if model.estimate is not None:
         lines.append(estimate_line(model.estimate))
     lines += [f"error: {error.summary}" for error in model.errors]
@@ -231,8 +234,10 @@ def memory_html(
             text = f"{size_text(r.last)} last · {size_text(r.peak)} peak (the bar)"
         else:
             text = f"{size_text(r.current)} now · {size_text(r.peak)} peak"
+            if r.proportional is not None and r.private is not None:
+                text += f" · PSS {size_text(r.proportional)} · own {size_text(r.private)}"
         rows.append(f"{html.escape(r.device)}: {text} · {size_text(r.limit)} limit")
-    notes = [covers_text(readings, estimate)]
+    notes = [covers_text(readings, estimate), "" if ended else shared_once_text(readings)]
     if estimate is not None:
         notes.append(estimate_line(estimate))
     return (
@@ -270,6 +275,27 @@ def covers_text(readings: list[MemoryReading], estimate: MemoryEstimate | None) 
         else:
             text += "."
     return text
+
+
+def shared_once_text(readings: list[MemoryReading]) -> str:
+    """What the CPU workers take together, shared pages counted once (the sum of their PSS:
+    a dataset every rank maps from shared memory counts once, not once per rank); "" when
+    no reading has it.
+
+    >>> r = [MemoryReading(f"rank {i} (cpu)", 1300 * 2**20, None, None, private=50 * 2**20,
+    ...      proportional=700 * 2**20) for i in range(2)]
+    >>> shared_once_text(r)
+    'all ranks together: 1.4 GiB (PSS: pages they share counted once; RSS adds up to 2.5 GiB)'
+    """
+    known = [r for r in readings if r.proportional is not None]
+    if not known:
+        return ""
+    together = sum(r.proportional or 0 for r in known)
+    resident = sum(r.current or 0 for r in known)
+    return (
+        f"all ranks together: {size_text(together)} (PSS: pages they share counted once; "
+        f"RSS adds up to {size_text(resident)})"
+    )
 
 
 def estimate_line(estimate: MemoryEstimate) -> str:

@@ -25,7 +25,7 @@ def test_payload_round_trips_a_closure() -> None:
     def scaled(x: int) -> int:
         return x * factor
 
-    data = pickle.loads(build_payload(scaled, (3,), {}, Config(num_processes=2)))
+    data = pickle.loads(build_payload(scaled, (3,), {}, Config(num_processes=2)).data)
     function, args, kwargs = pickle.loads(data["function"])
     assert function(*args, **kwargs) == 21
     assert data["config"].num_processes == 2
@@ -61,7 +61,7 @@ def test_cell_sources_travel_for_tracebacks() -> None:
     name = "/tmp/ipykernel_0/1234.py"
     linecache.cache[name] = (20, None, ["def train():\n", "    raise ValueError\n"], name)
     try:
-        data = pickle.loads(build_payload(print, (), {}, Config()))
+        data = pickle.loads(build_payload(print, (), {}, Config()).data)
     finally:
         del linecache.cache[name]
     assert data["sources"][name] == ["def train():\n", "    raise ValueError\n"]

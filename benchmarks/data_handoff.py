@@ -1,0 +1,401 @@
+"""Data held in a notebook's kernel, used by 2 CPU ranks: nbaccel (shared memory) against
+Accelerate's fork and ipyparallel, in real Jupyter kernels.
+
+What is measured
+----------------
+A kernel holds its data as globals: a 1 GiB float32 numpy array, a 1 GiB pandas DataFrame
+(8 float64 columns) and a 1 GiB in-memory Hugging Face ``datasets.Dataset`` (Arrow). A
+function defined in a cell reads all of it (sums every value) on each rank. Every figure is
+taken in the kernel (``time.perf_counter()`` around the call), and each rank writes its own
+memory figures to a file (Accelerate's launcher returns no values).
+
+* **launch using the data**: the whole ``notebook_launcher`` call (its workers reaped), for
+  the first launch after the data was made ("first") and for later ones with the same data
+  ("warm"); the function joins a gloo group, sums the data, leaves. Accelerate's runs with
+  ``ACCELERATE_USE_CPU=true`` (set in the kernel before its import) and a free port; it forks
+  the kernel, so its ranks share the kernel's pages copy-on-write.
+* **private memory per rank**: a rank's USS after it read all the data, minus the USS of the
+  same function on no data (``no data``): what the data cost that rank alone.
+* **no data**: the same function without the data, warm: the cost of a launch as such.
+* **push / pull** (interactive workers): ``Workers.push(data=array)`` of a fresh 256 MiB
+  float64 array (new data, copied once into shared memory), the same push again (unchanged
+  data: compared, not copied), and ``Workers.pull`` of a 256 MiB array from each rank (512
+  MiB in all); against ``ipyparallel``'s ``DirectView.push``/``pull`` (2 engines) of the same
+  sizes, and one loopback TCP connection in the same kernel (a thread receiving what the
+  kernel sends, ``sendall`` of the same array): the rate of a copy through a socket here.
+  Rates are the value's bytes (a push's value once; a pull's values together) per second.
+* **Ray**: where ``ray`` is installed, ``ray.put`` of the array and a task on the same node
+  reading it (zero-copy): the rate of making the data reachable. Not installed: skipped.
+
+Rounds: each round starts one kernel per way (nbaccel, accelerate, ipyparallel), in an
+order reversed every other round, so the machine's drift falls on all alike. Medians over
+rounds; ratios of medians taken in the same run. The machine may be loaded (the load average
+is printed): compare ratios, rerun.
+
+Goals (issue 31): warm launch using the data <= 1.0x Accelerate's; first launch <=
+Accelerate's + one copy of the data (the time of ``numpy.copy`` of it, measured here);
+private memory per rank <= 5 % of the data; push / pull >= 0.5x the loopback TCP rate and
+>= 5x ipyparallel's; a launch with no data <= 0.5x Accelerate's (warm).
+
+Usage::
+
+    python benchmarks/data_handoff.py              # 3 rounds, 4 warm launches per kind
+    python benchmarks/data_handoff.py --quick      # 1 round, 2 warm, 256 MiB data
+    python benchmarks/data_handoff.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_util import median, progress, verdict
+from relaunch_real_cell import Kernel
+
+GIB = 1 << 30
+KINDS = ("numpy", "pandas", "dataset")
+
+SETUP = """
+import json, os, socket, threading, time
+import numpy as np, pandas as pd, datasets, pyarrow.compute as pc
+_out = {out!r}
+_size = {size}
+_rows = _size // 64  # 8 float64 columns
+
+def _make(kind):
+    if kind == "numpy":
+        return np.full(_size // 4, 1.0, dtype="f4")
+    columns = {{f"c{{i}}": np.full(_rows, float(i), dtype="f8") for i in range(8)}}
+    if kind == "pandas":
+        return pd.DataFrame(columns)
+    return datasets.Dataset.from_dict(columns)
+
+def _total(value):
+    if isinstance(value, np.ndarray):
+        return float(value.sum())
+    if isinstance(value, pd.DataFrame):
+        return float(value.to_numpy(copy=False).sum())
+    if value is None:
+        return 0.0
+    table = value.data.table
+    return float(sum(pc.sum(table.column(name)).as_py() for name in table.column_names))
+
+def _use(kind):
+    import psutil, torch.distributed as dist
+    own = not dist.is_initialized()  # nbaccel's ranks get the group ready-made
+    if own:
+        dist.init_process_group("gloo")
+    total = _total(data if kind != "none" else None)
+    rank = dist.get_rank()
+    # Once every rank has read it all: a shared page one rank alone has touched so far
+    # counts in its USS (mapped once), whatever it costs the machine.
+    dist.barrier()
+    with open(os.path.join(_out, f"{{kind}}-{{rank}}.json"), "w") as file:
+        json.dump({{"uss": psutil.Process().memory_full_info().uss, "total": total}}, file)
+    dist.barrier()
+    if own:
+        dist.destroy_process_group()
+
+def use_none():
+    _use("none")
+
+def use_data():
+    _use(_kind)
+
+def _ranks(kind):
+    found = []
+    for rank in range(2):
+        with open(os.path.join(_out, f"{{kind}}-{{rank}}.json")) as file:
+            found.append(json.load(file))
+    return found
+
+def _copy_seconds():
+    started = time.perf_counter()
+    copy = np.copy(_make("numpy"))
+    seconds = time.perf_counter() - started
+    del copy
+    return seconds
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def _loopback_rate(array):
+    view = memoryview(array).cast("B")
+    server = socket.create_server(("127.0.0.1", 0))
+    got = [0]
+    def sink():
+        conn, _ = server.accept()
+        buffer = bytearray(1 << 22)
+        with conn:
+            while got[0] < view.nbytes:
+                n = conn.recv_into(buffer)
+                if not n:
+                    break
+                got[0] += n
+    thread = threading.Thread(target=sink)
+    thread.start()
+    with socket.create_connection(server.getsockname()) as client:
+        started = time.perf_counter()
+        client.sendall(view)
+        thread.join()
+        seconds = time.perf_counter() - started
+    server.close()
+    assert got[0] == view.nbytes
+    return view.nbytes / seconds
+"""
+
+IMPORTS = {
+    "nbaccel": "import nbaccel",
+    "accelerate": "os.environ['ACCELERATE_USE_CPU'] = 'true'\nimport accelerate",
+    "ipyparallel": "import ipyparallel",
+}
+LAUNCH = {
+    "nbaccel": "nbaccel.notebook_launcher({fn}, num_processes=2, dashboard=False, "
+    "runs_dir=os.path.join(_out, 'runs'))",
+    "accelerate": "accelerate.notebook_launcher({fn}, num_processes=2, use_port=str(_free_port()))",
+}
+
+
+def timed_launch(kernel: Kernel, way: str, fn: str) -> float:
+    call = LAUNCH[way].format(fn=fn)
+    code = f"_t = time.perf_counter()\n{call}\n_s = time.perf_counter() - _t"
+    return float(kernel.cell(code, seconds="_s")["seconds"])
+
+
+def launches(kernel: Kernel, way: str, warm: int) -> dict[str, Any]:
+    """One kernel's launches: no data (warm-ups, then timed), then per kind first + warm."""
+    found: dict[str, Any] = {}
+    for _ in range(2):  # the helper and its spares are up, the launch path is warm
+        timed_launch(kernel, way, "use_none")
+    found["no data"] = [timed_launch(kernel, way, "use_none") for _ in range(warm)]
+    base = kernel.cell("", ranks="_ranks('none')")["ranks"]
+    for kind in KINDS:
+        kernel.cell(f"_kind = {kind!r}\ndata = _make(_kind)\n_expect = _total(data)")
+        first = timed_launch(kernel, way, "use_data")
+        rest = [timed_launch(kernel, way, "use_data") for _ in range(warm)]
+        ranks = kernel.cell("", ranks="_ranks(_kind)", expect="_expect")
+        assert all(r["total"] == ranks["expect"] for r in ranks["ranks"]), ranks
+        private = [r["uss"] - b["uss"] for r, b in zip(ranks["ranks"], base, strict=True)]
+        found[kind] = {"first": first, "warm": rest, "private": private}
+        kernel.cell("del data")
+    return found
+
+
+PUSH_PULL = """
+_n = {size} // 8
+_pushes, _repushes, _pulls = [], [], []
+with nbaccel.Workers(num_processes=2, dashboard=False, runs_dir=os.path.join(_out, 'runs')) as _w:
+    _w.run_cell("import numpy as np", "<setup>")
+    for _i in range({repeats}):
+        _array = np.full(_n, float(_i + 1))
+        _t = time.perf_counter(); _w.push(array=_array); _pushes.append(time.perf_counter() - _t)
+        _t = time.perf_counter(); _w.push(array=_array); _repushes.append(time.perf_counter() - _t)
+        _w.run_cell(f"out = np.full({{_n}}, {{_i}} + 2.0)", "<make>")
+        _t = time.perf_counter(); _got = _w.pull("out"); _pulls.append(time.perf_counter() - _t)
+        assert all(float(v[0]) == _i + 2.0 for v in _got.values())
+        del _got, _array
+_loopback = [_loopback_rate(np.full(_n, 1.0)) for _ in range({repeats})]
+"""
+
+IPYPARALLEL = """
+_n = {size} // 8
+_pushes, _pulls = [], []
+_cluster = ipyparallel.Cluster(n=2, log_level=40)
+_client = _cluster.start_and_connect_sync()
+try:
+    _client.wait_for_engines(2, timeout=120)
+    _view = _client[:]
+    _view.block = True
+    _view.execute("import numpy as np")
+    for _i in range({repeats}):
+        _array = np.full(_n, float(_i + 1))
+        _t = time.perf_counter()
+        _view.push({{"array": _array}})
+        _pushes.append(time.perf_counter() - _t)
+        _view.execute(f"out = np.full({{_n}}, {{_i}} + 2.0)")
+        _t = time.perf_counter(); _got = _view.pull("out"); _pulls.append(time.perf_counter() - _t)
+        assert all(float(v[0]) == _i + 2.0 for v in _got)
+        del _got, _array
+finally:
+    _client.close()
+    _cluster.stop_cluster_sync()
+"""
+
+RAY = """
+import ray
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+@ray.remote
+def _read(array):
+    return float(array[0])
+_n = {size} // 8
+_puts = []
+for _i in range({repeats}):
+    _array = np.full(_n, float(_i + 1))
+    _t = time.perf_counter()
+    _ref = ray.put(_array)
+    assert ray.get(_read.remote(_ref)) == _i + 1
+    _puts.append(time.perf_counter() - _t)
+ray.shutdown()
+"""
+
+
+def push_pull(kernel: Kernel, size: int, repeats: int) -> dict[str, list[float]]:
+    kernel.cell(PUSH_PULL.format(size=size, repeats=repeats), timeout=600)
+    values = kernel.cell(
+        "", pushes="_pushes", repushes="_repushes", pulls="_pulls", loopback="_loopback"
+    )
+    return {
+        "push": [size / s for s in values["pushes"]],
+        "push again": [size / s for s in values["repushes"]],
+        "pull": [2 * size / s for s in values["pulls"]],
+        "loopback TCP": values["loopback"],
+    }
+
+
+def ipyparallel_rates(kernel: Kernel, size: int, repeats: int) -> dict[str, list[float]]:
+    kernel.cell(IPYPARALLEL.format(size=size, repeats=repeats), timeout=900)
+    values = kernel.cell("", pushes="_pushes", pulls="_pulls")
+    return {
+        "ipyparallel push": [size / s for s in values["pushes"]],
+        "ipyparallel pull": [2 * size / s for s in values["pulls"]],
+    }
+
+
+def ray_rates(kernel: Kernel, size: int, repeats: int) -> dict[str, list[float]]:
+    try:
+        kernel.cell(RAY.format(size=size, repeats=repeats), timeout=600)
+    except RuntimeError as error:
+        progress(f"  Ray skipped: {str(error).splitlines()[0]}")
+        return {}
+    return {"ray put + task": [size / s for s in kernel.cell("", puts="_puts")["puts"]]}
+
+
+def one_round(way: str, options: argparse.Namespace, samples: dict[str, Any]) -> None:
+    root = Path(tempfile.mkdtemp(prefix=f"data-{way}-"))
+    out = root / "out"
+    out.mkdir()
+    kernel = Kernel(root, {"PYTHONUNBUFFERED": "1"})
+    try:
+        kernel.cell(SETUP.format(out=str(out), size=options.size))
+        kernel.cell(IMPORTS[way], timeout=180)
+        if way == "ipyparallel":
+            for name, rates in ipyparallel_rates(kernel, options.move, options.moves).items():
+                samples["rates"].setdefault(name, []).extend(rates)
+            if options.ray:
+                for name, rates in ray_rates(kernel, options.move, options.moves).items():
+                    samples["rates"].setdefault(name, []).extend(rates)
+            return
+        time.sleep(3)  # the user writes the next cell: nbaccel's helper starts meanwhile
+        found = launches(kernel, way, options.warm)
+        samples["launch"].setdefault(way, []).append(found)
+        if way == "nbaccel":
+            samples["copy"].append(kernel.cell("", s="_copy_seconds()")["s"])
+            for name, rates in push_pull(kernel, options.move, options.moves).items():
+                samples["rates"].setdefault(name, []).extend(rates)
+    finally:
+        left = kernel.close()
+        if left:
+            progress(f"  {way}: killed what its kernel left: {left}")
+
+
+def report(samples: dict[str, Any], size: int) -> list[str]:
+    lines: list[str] = []
+    launch = samples["launch"]
+    copy = median(samples["copy"])
+    lines.append(f"data per kind: {size / GIB:.2f} GiB; one copy of it (numpy.copy): {copy:.3f} s")
+    lines.append("")
+    lines.append("| kind | way | first launch (s) | warm launch (s) | private memory per rank |")
+    lines.append("|---|---|---|---|---|")
+    figures: dict[tuple[str, str], dict[str, float]] = {}
+    for kind in ("no data", *KINDS):
+        for way in ("nbaccel", "accelerate"):
+            rounds = launch.get(way, [])
+            if kind == "no data":
+                warm = median([s for r in rounds for s in r[kind]])
+                first, private = None, None
+            else:
+                first = median([r[kind]["first"] for r in rounds])
+                warm = median([s for r in rounds for s in r[kind]["warm"]])
+                private = median([p for r in rounds for p in r[kind]["private"]])
+            figures[(kind, way)] = {"first": first or 0.0, "warm": warm or 0.0}
+            own = "-" if private is None else f"{private / 2**20:.1f} MiB ({private / size:.1%})"
+            lines.append(
+                f"| {kind} | {way} | {'-' if first is None else f'{first:.3f}'} | "
+                f"{'-' if warm is None else f'{warm:.3f}'} | {own} |"
+            )
+    lines.append("")
+    lines.append("| rate | median GB/s |")
+    lines.append("|---|---|")
+    rates = {name: median(values) for name, values in samples["rates"].items()}
+    for name, rate in rates.items():
+        lines.append(f"| {name} | {(rate or 0) / 1e9:.2f} |")
+    lines.append("")
+    lines.append("Goals:")
+    for kind in KINDS:
+        ours, theirs = figures[(kind, "nbaccel")], figures[(kind, "accelerate")]
+        if theirs["warm"]:
+            ratio = ours["warm"] / theirs["warm"]
+            lines.append(
+                f"- {kind}: warm launch {ratio:.2f}x Accelerate's: {verdict(ratio <= 1.0)}"
+            )
+            allowed = theirs["first"] + (copy or 0)
+            lines.append(
+                f"- {kind}: first launch {ours['first']:.3f} s <= Accelerate's + one copy "
+                f"({allowed:.3f} s): {verdict(ours['first'] <= allowed)}"
+            )
+        privates = [p for r in launch.get("nbaccel", []) for p in r[kind]["private"]]
+        worst = max(privates, default=0) / size
+        lines.append(
+            f"- {kind}: private memory per rank, worst {worst:.1%}: {verdict(worst <= 0.05)}"
+        )
+    none_ours, none_theirs = figures[("no data", "nbaccel")], figures[("no data", "accelerate")]
+    if none_theirs["warm"]:
+        ratio = none_ours["warm"] / none_theirs["warm"]
+        lines.append(f"- no data: warm launch {ratio:.2f}x Accelerate's: {verdict(ratio <= 0.5)}")
+    tcp = rates.get("loopback TCP")
+    for ours, theirs in (("push", "ipyparallel push"), ("pull", "ipyparallel pull")):
+        if rates.get(ours) and tcp:
+            to_tcp = rates[ours] / tcp
+            lines.append(f"- {ours}: {to_tcp:.2f}x loopback TCP: {verdict(to_tcp >= 0.5)}")
+        if rates.get(ours) and rates.get(theirs):
+            to_ipp = rates[ours] / rates[theirs]
+            lines.append(f"- {ours}: {to_ipp:.1f}x ipyparallel's: {verdict(to_ipp >= 5)}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warm", type=int, default=4, help="warm launches per kind and kernel")
+    parser.add_argument("--size", type=int, default=GIB, help="bytes of each kind of data")
+    parser.add_argument("--move", type=int, default=256 << 20, help="bytes of a push/pull")
+    parser.add_argument("--moves", type=int, default=3, help="pushes/pulls per kernel")
+    parser.add_argument("--no-ray", dest="ray", action="store_false")
+    parser.add_argument("--quick", action="store_true", help="1 round, 2 warm, 256 MiB")
+    parser.add_argument("--json", type=Path, help="write every sample here")
+    options = parser.parse_args()
+    if options.quick:
+        options.rounds, options.warm, options.size, options.moves = 1, 2, 256 << 20, 2
+    progress(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
+    samples: dict[str, Any] = {"launch": {}, "rates": {}, "copy": []}
+    ways = ["nbaccel", "accelerate", "ipyparallel"]
+    for index in range(options.rounds):
+        for way in ways if index % 2 == 0 else ways[::-1]:
+            progress(f"round {index + 1}/{options.rounds}: {way}")
+            one_round(way, options, samples)
+    if options.json:
+        options.json.write_text(json.dumps(samples, indent=1))
+    print("\n".join(report(samples, options.size)))
+    print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

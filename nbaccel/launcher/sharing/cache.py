@@ -1,0 +1,231 @@
+"""The kernel's segments, kept between launches: data that did not change is not copied again.
+
+A launch (or ``Workers.push``) hands ``SegmentCache.place`` the large buffers its pickle
+kept out. Each buffer is looked up by where it lies in this process and its length; a hit
+counts only if the bytes are still the same (libc's ``memcmp`` against the segment: ~0.05-0.1
+s per GiB here), so an array changed in place between two launches is written again, and
+an unchanged one costs a comparison instead of a copy. The buffers not found go into one new
+segment. Entries go when their array is garbage-collected (a weak reference, where the
+owner takes one), and the least recently used go when the segments kept would pass the
+launch's limit (``shared_memory_limit_gb``; by default half of the machine's memory). Data
+larger than the limit is not shared at all: ``place`` says why, and the caller sends it
+inside the pickle, as before.
+
+Closing a segment here never takes data from a run: each rank mapped it, and the mapping
+keeps the pages. This is a resource cache, like the helper process: it holds no settings.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbaccel.launcher.sharing.packing import BufferRef, Dumps, Packed, split
+from nbaccel.launcher.sharing.segments import Segment, aligned, buffer_address, same_bytes
+
+GIB = 1 << 30
+
+
+@dataclass
+class _Entry:
+    segment: Segment
+    offset: int
+    length: int
+    owner: weakref.ref[object] | None
+    used: float = 0.0
+
+
+@dataclass
+class Placement:
+    """Where a message's buffers lie: ``refs`` index ``fds`` (this placement's own copies of
+    the segments' fds: close them once sent, with ``close``)."""
+
+    refs: tuple[BufferRef, ...]
+    fds: list[int] = field(default_factory=list)
+    written: int = 0  # bytes copied into new segments (0: every buffer was there already)
+
+    def __post_init__(self) -> None:
+        # A plan dropped without starting (an error, a replaced payload) closes them too.
+        self._closer = weakref.finalize(self, _close_fds, list(self.fds))
+
+    def close(self) -> None:
+        self._closer()
+        self.fds = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The fd numbers as they are: a process started with them (``pass_fds``, a
+        # detached run's supervisor) has the same numbers, and closes them in its turn.
+        return Placement, (self.refs, list(self.fds), self.written)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class Refused(Exception):
+    """The buffers cannot be shared (too large for the limit, or no memory): the reason."""
+
+
+class SegmentCache:
+    """See the module's doc. Thread-safe; one per process (``CACHE``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # an owner's weakref callback may run inside place()
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._segments: dict[int, Segment] = {}  # by id(): every segment an entry uses
+        self.bytes_written = 0  # copied into segments so far (what a hit saves)
+
+    @property
+    def size(self) -> int:
+        """Bytes held in segments now."""
+        with self._lock:
+            return sum(segment.size for segment in self._segments.values())
+
+    def place(self, buffers: Sequence[memoryview], limit: int) -> Placement:
+        """Where each buffer lies in shared memory, writing what is not there yet; raises
+        ``Refused`` with the reason when the buffers must travel inside the pickle."""
+        needed = sum(aligned(buffer.nbytes) for buffer in buffers)
+        if needed > limit:
+            raise Refused(
+                f"the arrays and tensors sent to the workers ({_size(needed)}) are more than "
+                f"shared_memory_limit_gb={limit / GIB:g} allows ({_size(limit)}), so they went "
+                "through the pipe, a copy per rank; raise shared_memory_limit_gb to share them"
+            )
+        with self._lock:
+            now = time.monotonic()
+            found: list[tuple[Segment, int] | None] = []
+            keys = []
+            for buffer in buffers:
+                key = (buffer_address(buffer), buffer.nbytes)
+                keys.append(key)
+                entry = self._entries.get(key)
+                if entry is not None and same_bytes(
+                    key[0], buffer_address(entry.segment.view()) + entry.offset, key[1]
+                ):
+                    entry.used = now
+                    found.append((entry.segment, entry.offset))
+                else:
+                    found.append(None)
+            missing = [index for index, hit in enumerate(found) if hit is None]
+            written = 0
+            if missing:
+                try:
+                    segment, offsets = Segment.write([buffers[i] for i in missing])
+                except OSError as error:
+                    raise Refused(
+                        f"no shared memory could be had for the arrays and tensors sent to "
+                        f"the workers ({error}), so they went through the pipe, a copy per "
+                        "rank; free some memory, or set shared_memory_limit_gb=0 to stop trying"
+                    ) from error
+                written = segment.size
+                self.bytes_written += sum(buffers[i].nbytes for i in missing)
+                self._segments[id(segment)] = segment
+                for index, offset in zip(missing, offsets, strict=True):
+                    found[index] = (segment, offset)
+                    self._remember(keys[index], buffers[index], segment, offset, now)
+            used = {id(hit[0]) for hit in found if hit is not None}
+            self._evict(limit, keep=used)
+            order: dict[int, int] = {}
+            fds: list[int] = []
+            refs: list[BufferRef] = []
+            for hit, buffer in zip(found, buffers, strict=True):
+                assert hit is not None
+                segment, offset = hit
+                if id(segment) not in order:
+                    order[id(segment)] = len(fds)
+                    fds.append(os.dup(segment.fd))
+                refs.append((order[id(segment)], offset, buffer.nbytes))
+            return Placement(tuple(refs), fds, written)
+
+    def clear(self) -> None:
+        """Forget every entry and close every segment (runs keep what they mapped)."""
+        with self._lock:
+            self._entries.clear()
+            segments, self._segments = list(self._segments.values()), {}
+        for segment in segments:
+            segment.close()
+
+    def _remember(
+        self, key: tuple[int, int], buffer: memoryview, segment: Segment, offset: int, now: float
+    ) -> None:
+        old = self._entries.pop(key, None)
+        owner: weakref.ref[object] | None = None
+        try:
+            owner = weakref.ref(buffer.obj, lambda _: self._forget(key, owner))
+        except TypeError:
+            pass  # bytes-like owners without weak references: the limit evicts them
+        self._entries[key] = _Entry(segment, offset, buffer.nbytes, owner, now)
+        if old is not None:
+            self._close_unused(old.segment)
+
+    def _forget(self, key: tuple[int, int], owner: weakref.ref[object] | None) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.owner is owner:
+                del self._entries[key]
+                self._close_unused(entry.segment)
+
+    def _evict(self, limit: int, keep: set[int]) -> None:
+        total = sum(segment.size for segment in self._segments.values())
+        for key, entry in sorted(self._entries.items(), key=lambda item: item[1].used):
+            if total <= limit:
+                break
+            if id(entry.segment) in keep:
+                continue
+            del self._entries[key]
+            if self._close_unused(entry.segment):
+                total -= entry.segment.size
+
+    def _close_unused(self, segment: Segment) -> bool:
+        if any(entry.segment is segment for entry in self._entries.values()):
+            return False
+        if self._segments.pop(id(segment), None) is not None:
+            segment.close()
+        return True
+
+
+def limit_bytes(gib: float | None) -> int:
+    """``shared_memory_limit_gb`` in bytes: None is half of this machine's memory.
+
+    >>> limit_bytes(1.5), limit_bytes(0), limit_bytes(None) > 0
+    (1610612736, 0, True)
+    """
+    if gib is None:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return int(gib * GIB)
+
+
+def _size(size: int) -> str:
+    """
+    >>> _size(8 << 20), _size(3 << 29)
+    ('8.0 MiB', '1.50 GiB')
+    """
+    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / (1 << 20):.1f} MiB"
+
+
+CACHE = SegmentCache()
+
+
+def pack_shared(obj: Any, dumps: Dumps, limit: int) -> tuple[Packed, Placement | None, str | None]:
+    """``obj`` packed for this machine's ranks: its large buffers placed in ``CACHE``
+    (``limit``: the launch's ``shared_memory_limit_gb`` in bytes; 0 turns sharing off), or
+    inside the pickle, with the reason when sharing was refused (a notice for the user)."""
+    kept = split(obj, dumps)
+    if not kept.buffers:
+        return Packed(kept.data), None, None
+    if limit <= 0:
+        return Packed(dumps(obj, None)), None, None
+    try:
+        placement = CACHE.place(kept.buffers, limit)
+    except Refused as why:
+        return Packed(dumps(obj, None)), None, str(why)
+    return Packed(kept.data, kept.refs(placement.refs)), placement, None
