@@ -35,7 +35,7 @@ memory, FACTS.md), every storage once (by ``data_ptr``), a DTensor by its local 
   beside the gradients unless ``gradient_as_bucket_view=True``.
 
 Each figure is the maximum over both steps and both ranks. The estimate is
-``nbaccel.memory_estimate.estimate_for_config`` for the same ``Config`` and the parameter
+``nbaccel.hardware.memory_estimate.estimate_for_config`` for the same ``Config`` and the parameter
 count (the config panel's figure). The run fails (exit 1) if a total or any part differs from
 the estimate by more than 10 % (parts under 1 % of the total excepted).
 
@@ -141,7 +141,7 @@ def measure(blocks: int, width: int, batch: int, steps: int) -> dict[str, Any]:
     from torch import nn
 
     import nbaccel
-    from nbaccel.memory_estimate import count_parameters
+    from nbaccel.hardware.memory_estimate import count_parameters
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -205,7 +205,7 @@ def collect(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Per row, the element-wise maximum of both ranks' measurements, and the estimate."""
     import nbaccel
     from nbaccel.config.schema import Config
-    from nbaccel.memory_estimate import estimate_for_config, sharding_stage
+    from nbaccel.hardware.memory_estimate import estimate_for_config, sharding_stage
 
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="sharding_memory-") as runs_dir:

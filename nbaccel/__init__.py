@@ -124,7 +124,7 @@ _LAZY = {
 
 def load_ipython_extension(ipython: _Any) -> None:
     """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md)."""
-    from nbaccel.magic import load_ipython_extension as load
+    from nbaccel.interactive.magic import load_ipython_extension as load
 
     load(ipython)
 

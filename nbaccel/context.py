@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from nbaccel.config.schema import Config
 from nbaccel.events import EventWriter
-from nbaccel.xla_plan import XlaPlan
+from nbaccel.hardware.xla_plan import XlaPlan
 
 
 @dataclass(frozen=True)

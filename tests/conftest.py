@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 
 _HOME = pytest.StashKey[str]()
 

@@ -33,8 +33,8 @@ from nbaccel.config.accelerate.enums import (
 from nbaccel.config.resolve import resolve
 from nbaccel.config.schema import Config
 from nbaccel.context import active_session
-from nbaccel.devices import detect_tpu
-from nbaccel.xla_plan import uses_xla
+from nbaccel.hardware.devices import detect_tpu
+from nbaccel.hardware.xla_plan import uses_xla
 
 
 @dataclass(frozen=True)

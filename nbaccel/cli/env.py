@@ -21,10 +21,10 @@ from typing import Any
 import nbaccel
 from nbaccel.config.files import accelerate_default_file, default_file, nbaccel_default_file
 from nbaccel.config.schema import Config
-from nbaccel.devices import TPUInfo, detect_tpu, usable_cpu_cores, visible_gpu_count
 from nbaccel.env_names import CONFIG_FILE_VAR
 from nbaccel.errors import ConfigError
-from nbaccel.xla_plan import check_versions, plan_xla, uses_xla
+from nbaccel.hardware.devices import TPUInfo, detect_tpu, usable_cpu_cores, visible_gpu_count
+from nbaccel.hardware.xla_plan import check_versions, plan_xla, uses_xla
 
 PACKAGES: tuple[str, ...] = ("torch", "torch_xla", "accelerate", "cloudpickle", "psutil", "pyyaml")
 PACKAGES += ("ipykernel", "ipywidgets", "nvidia-ml-py")

@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import os
 
-    from nbaccel.devices import visible_gpu_count
+    from nbaccel.hardware.devices import visible_gpu_count
 
     gpus = visible_gpu_count(os.environ)
     # The demo shows a distributed run, so without a GPU it runs DEMO_CPU_PROCESSES CPU

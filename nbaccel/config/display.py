@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbaccel.config.schema import OVERSUBSCRIBE_FACTOR, Config, options
-from nbaccel.devices import usable_cpu_cores
+from nbaccel.hardware.devices import usable_cpu_cores
 
 Predicate = Callable[[Mapping[str, Any]], bool]
 

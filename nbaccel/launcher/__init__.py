@@ -3,11 +3,13 @@ never imports torch; the worker side runs in the processes it starts).
 
 The launch itself lives at this folder's top: ``api`` (plan and start), ``checks`` (what is
 refused before anything exists), ``planned`` (a checked launch as plain data), ``run`` and
-``pump`` (one launch in flight: its events, output, exits and end), ``run_folder``,
+``pump`` (one launch in flight: its events, output, exits and end), ``results`` (the
+ranks' values until asked), ``run_folder``,
 ``output``, ``printer`` (text output), ``starter`` (what starts workers, as an interface),
 ``control`` (the fd-passing channel), ``remote_shell`` (how a command runs on another host)
 and ``prewarm`` (the helper started at ``import nbaccel`` in a kernel). The rooms below it:
 
+- ``sharing/``: large buffers (arrays, tensors) in shared memory, mapped by every local rank.
 - ``bootstrap/``: what a worker is sent (the payload) and runs first, however it started.
 - ``outcome/``: which rank failed, how the others are stopped, elastic restarts.
 - ``local/``: one machine — the helper that forks workers, and ``start`` for a plan.

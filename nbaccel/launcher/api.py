@@ -21,7 +21,8 @@ from nbaccel.config.accelerate.launcher_keywords import from_accelerate_keywords
 from nbaccel.config.deepspeed.settings import deepspeed_config
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
 from nbaccel.config.schema import Config
-from nbaccel.devices import (
+from nbaccel.errors import ConfigError
+from nbaccel.hardware.devices import (
     GpuChoice,
     choose_gpus,
     detect_tpu,
@@ -29,7 +30,7 @@ from nbaccel.devices import (
     usable_cpu_cores,
     visible_gpu_count,
 )
-from nbaccel.errors import ConfigError
+from nbaccel.hardware.xla_plan import XlaPlan, plan_xla, uses_xla
 from nbaccel.launcher import checks
 from nbaccel.launcher.bootstrap.payload import build_payload
 from nbaccel.launcher.detached.start import start_detached
@@ -42,7 +43,6 @@ from nbaccel.launcher.remote.hosts_launch import (
     start_on_hosts,
 )
 from nbaccel.launcher.run import Run
-from nbaccel.xla_plan import XlaPlan, plan_xla, uses_xla
 
 
 def start(

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nbaccel.config.resolve import Resolved
+from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.bootstrap.payload import Payload
 from nbaccel.launcher.remote_shell import RemoteShell
-from nbaccel.xla_plan import XlaPlan
 
 if TYPE_CHECKING:
     from nbaccel.launcher.run import Run

@@ -54,15 +54,15 @@ from nbaccel.events import (
     WorkerMessage,
     WorkerStarted,
 )
+from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.outcome.arbiter import Arbiter
-from nbaccel.launcher.outcome.failures import Failure, build_error
+from nbaccel.launcher.outcome.failures import Failure, build_error, last_output
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.output import Mark, OutputReader, render
+from nbaccel.launcher.results import ResultBoxes, keep_in_folder
 from nbaccel.launcher.run_folder import private_file
-from nbaccel.launcher.sharing.packing import Packed, close_fds, inline_chunks
-from nbaccel.launcher.sharing.segments import map_private
+from nbaccel.launcher.sharing.packing import Packed
 from nbaccel.launcher.starter import WorkerStarter
-from nbaccel.xla_plan import XlaPlan
 
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
 
@@ -116,7 +116,7 @@ class RunPump:
     _helper: WorkerStarter | None
     _events_file: Any
     _attempts: Attempts
-    _boxes: dict[int, int]  # rank -> its result box, until its value came
+    _boxes: ResultBoxes  # each rank's result box, until its value came
 
     def logs(self, rank: int = 0) -> str:
         """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
@@ -249,24 +249,18 @@ class RunPump:
                 self._emit(message)
             case ResultReady():
                 r.result, r.result_refs, r.has_result = message.value, message.buffers, True
-                self._took_result(r)
-                maps = [r.result_map] if r.result_map is not None else []
-                self._keep_result(r.rank, Packed(message.value, message.buffers), maps)
+                r.result_map = self._boxes.take(r.rank, message.buffers)
+                value = Packed(message.value, message.buffers)
+                keep_in_folder(self.run_dir / f"result-rank{r.rank}.pkl", value, r.result_map)
             case Rank0Value():  # rank 0 ran on another machine: kept as its own value is
                 self._rank0_value = message.value
-                self._keep_result(0, Packed(message.value))
+                keep_in_folder(self.run_dir / "result-rank0.pkl", Packed(message.value))
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModulesImported() if self._helper is not None:  # for the next launch
                 self._helper.offer_modules(list(message.modules))
             case ModelPrepared() | DeviceMemory():  # DeviceMemory: torch_xla reads its own
                 self._emit(message)
-
-    def _keep_result(self, rank: int, value: Packed, maps: list[memoryview] | None = None) -> None:
-        """The value in the run folder as a plain pickle (its buffers put back in place)."""
-        with private_file(self.run_dir / f"result-rank{rank}.pkl", "wb") as file:
-            for chunk in inline_chunks(value, maps or []):
-                file.write(chunk)
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]
@@ -376,7 +370,7 @@ class RunPump:
     def _finalize(self) -> None:
         culprit, stuck = self._arbiter.final_culprit(), self._arbiter.stuck
         if culprit is not None:
-            stuck_logs = {r: "\n".join(self.logs(r).splitlines()[-20:]) for r in stuck}
+            stuck_logs = {r: last_output(self.logs(r)) for r in stuck}
             self._error = build_error(
                 culprit,
                 world_size=self.world_size,
@@ -400,17 +394,8 @@ class RunPump:
         self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
         self._done.set()
 
-    def _took_result(self, r: RankPipes) -> None:
-        """Map the rank's result box if its value left buffers there, and close it: no fd
-        outlives the run, and the value's pages live as long as the map."""
-        box = self._boxes.pop(r.rank, None)
-        if box is not None:
-            r.result_map = map_private(box) if r.result_refs else None
-            os.close(box)
-
     def _close_everything(self) -> None:
-        close_fds(self._boxes)  # ranks that sent no value
-        self._boxes.clear()
+        self._boxes.close()  # ranks that sent no value
         if self._helper is not None:
             self._helper.unsubscribe(self.run_id)
         for r in self._ranks.values():

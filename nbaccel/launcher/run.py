@@ -8,7 +8,6 @@ run's state until it ends. The public methods only read that state or post to th
 from __future__ import annotations
 
 import os
-import pickle
 import queue
 import signal
 import threading
@@ -21,13 +20,14 @@ from typing import Any
 from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import Notice, RunStarted, RunState
+from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
+from nbaccel.launcher.results import ResultBoxes, load_value
 from nbaccel.launcher.run_folder import private_file, read_metrics
-from nbaccel.launcher.sharing.packing import Packed, shared_fds, unpack_mapped
+from nbaccel.launcher.sharing.packing import shared_fds
 from nbaccel.launcher.starter import WorkerStarter
-from nbaccel.xla_plan import XlaPlan
 
 
 class Run(RunPump):
@@ -83,9 +83,7 @@ class Run(RunPump):
         self._helper: WorkerStarter | None = None
         self._events_file: Any = None
         self._attempts = Attempts(config.max_restarts)
-        # Each rank's result box (``_result_box``): mapped when its value comes, closed then
-        # or when the run ends.
-        self._boxes: dict[int, int] = {}
+        self._boxes = ResultBoxes()  # each rank's value's large buffers (results.py)
 
     # ----- public API -------------------------------------------------------------
     @property
@@ -217,7 +215,7 @@ class Run(RunPump):
                 log_write, event_write = self._open_rank(rank)
                 child_fds += [log_write, event_write]
                 rendezvous = [listen_fd] if rank == 0 and listen_fd is not None else []
-                box = [self._result_box(rank)] if result_boxes else []
+                box = [self._boxes.make(rank)] if result_boxes else []
                 fds = [payload_fd, log_write, event_write, *rendezvous, *data_fds, *box]
                 shared = shared_fds(len(data_fds), box=bool(box))
                 helper.spawn({**request, **shared, "run": self.run_id, "rank": rank}, fds)
@@ -264,13 +262,6 @@ class Run(RunPump):
             for fd in pipes:
                 os.close(fd)
 
-    def _result_box(self, rank: int) -> int:
-        """An empty memfd for ``rank``'s value: the worker writes its large buffers there,
-        the pump maps them when the value comes (``RunPump._took_result``)."""
-        box = os.memfd_create("nbaccel-result", os.MFD_CLOEXEC)
-        self._boxes[rank] = box
-        return box
-
     def _value(self, rank: int, timeout: float | None) -> Any:
         state = self.wait(timeout)
         if state is RunState.FAILED:
@@ -286,7 +277,6 @@ class Run(RunPump):
             # came from the job's store, through this machine's first worker.
             value = here.result if here is not None else self._rank0_value
             refs = here.result_refs if here is not None else ()
-            maps = [here.result_map] if here is not None and here.result_map is not None else []
-            packed = Packed(value or pickle.dumps(None), refs)
-            self._results_cache[rank] = unpack_mapped(packed, maps)
+            box = here.result_map if here is not None else None
+            self._results_cache[rank] = load_value(value, refs, box)
         return self._results_cache[rank]

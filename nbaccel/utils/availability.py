@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from nbaccel.xla_plan import check_versions
+from nbaccel.hardware.xla_plan import check_versions
 
 __all__ = [
     "is_bf16_available",

@@ -8,8 +8,8 @@ no nbaccel default file. The content is Accelerate's: JSON (which YAML readers t
 process per visible GPU and ``MULTI_GPU`` with more than one, else one CPU process.
 
 GPUs are counted without importing torch or creating a CUDA context
-(``nbaccel.devices.visible_gpu_count``: NVML, or the driver's ``/proc`` entries), so a notebook
-kernel can call it before launching. Accelerate also counts Intel, Ascend and other
+(``nbaccel.hardware.devices.visible_gpu_count``: NVML, or the driver's ``/proc`` entries), so a
+notebook kernel can call it before launching. Accelerate also counts Intel, Ascend and other
 accelerators; nbaccel trains on CUDA GPUs, TPUs (whose launch needs no file) and CPUs.
 """
 
@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from nbaccel.config.files import accelerate_default_file
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 
 __all__ = ["write_basic_config"]
 

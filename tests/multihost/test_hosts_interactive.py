@@ -23,7 +23,7 @@ import pytest
 
 import nbaccel
 from nbaccel.launcher.interactive import connect as connect_module
-from nbaccel.launcher.interactive import workers as workers_module
+from nbaccel.launcher.interactive import ending as ending_module
 from nbaccel.launcher.interactive.connect import accept_ranks
 from nbaccel.launcher.interactive.wire import connect, recv_frame, send_frame
 from tests.multihost.conftest import SshHosts
@@ -41,7 +41,7 @@ def where() -> tuple[int, int, str]:
 def test_workers_on_two_hosts_keep_state_name_failures_and_take_interrupts(
     ssh_hosts: SshHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(workers_module, "INTERRUPT_GRACE", 2.0)
+    monkeypatch.setattr(ending_module, "INTERRUPT_GRACE", 2.0)
     with nbaccel.Workers(num_processes=4, dashboard="text", **on_hosts(ssh_hosts, tmp_path)) as w:
         first = w.run(where)
         assert sorted(first) == [0, 1, 2, 3] and {v[2] for v in first.values()} == {"2"}

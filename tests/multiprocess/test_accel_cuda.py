@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import nbaccel
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 from tests.multiprocess.test_accel_checkpoint import train_resumable
 from tests.multiprocess.test_accelerator import train_regression
 

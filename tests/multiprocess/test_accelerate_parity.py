@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 from tests.parity import runner
 
 pytestmark = pytest.mark.timeout(600)

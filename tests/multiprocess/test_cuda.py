@@ -7,7 +7,7 @@ import os
 import pytest
 
 import nbaccel
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import nbaccel
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(600)]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import nbaccel
-from nbaccel.devices import visible_device_entries, visible_gpu_count
+from nbaccel.hardware.devices import visible_device_entries, visible_gpu_count
 
 
 def what_the_worker_sees() -> dict[str, Any]:

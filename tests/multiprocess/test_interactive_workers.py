@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 import nbaccel
-from nbaccel.launcher.interactive import workers as workers_module
+from nbaccel.launcher.interactive import ending as ending_module
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +33,7 @@ def workers(runs_dir: str) -> Iterator[nbaccel.Workers]:
 
 @pytest.fixture
 def short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(workers_module, "INTERRUPT_GRACE", 1.0)
+    monkeypatch.setattr(ending_module, "INTERRUPT_GRACE", 1.0)
 
 
 def rank_and_pid() -> tuple[int, int]:

@@ -569,7 +569,7 @@ def prepare_only() -> int:
 
 
 def test_the_dashboard_estimates_the_prepared_models_memory(runs_dir: str) -> None:
-    from nbaccel.memory_estimate import estimate_for_config
+    from nbaccel.hardware.memory_estimate import estimate_for_config
     from nbaccel.ui.attach import dashboard_for
 
     # dashboard=True outside a kernel builds the widgets without showing them.

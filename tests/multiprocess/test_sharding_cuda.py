@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import nbaccel
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 from tests.multiprocess.test_sharding import BY_CLASS, blocks_model, full_weights
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]

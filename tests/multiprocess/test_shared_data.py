@@ -26,6 +26,7 @@ import nbaccel
 from nbaccel.launcher.sharing.cache import CACHE
 
 MIB = 1 << 20
+SEGMENTS = ("nbaccel-data", "nbaccel-result")
 
 
 @pytest.fixture(autouse=True)
@@ -236,23 +237,23 @@ def test_data_whose_pickling_exposes_no_buffer_travels_as_before(runs_dir: str) 
     )
 
 
-def holders(pids: set[int]) -> dict[int, list[str]]:
-    """Which of ``pids`` hold (an fd) or map an nbaccel segment."""
+def holders(pids: set[int], names: tuple[str, ...] = SEGMENTS) -> dict[int, list[str]]:
+    """Which of ``pids`` hold (an fd) or map a segment of ``names``."""
     found: dict[int, list[str]] = {}
     for pid in pids:
-        names = []
+        held = []
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             with open(f"/proc/{pid}/maps") as maps:
-                names += list(maps)
+                held += list(maps)
         except OSError:
             continue  # gone
         for fd in fds:
             try:
-                names.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
             except OSError:
                 pass  # closed meanwhile
-        ours = [n for n in names if "nbaccel-data" in n or "nbaccel-result" in n]
+        ours = [seen for seen in held if any(name in seen for name in names)]
         if ours:
             found[pid] = ours
     return found
@@ -387,7 +388,7 @@ def test_a_detached_run_keeps_its_data_while_it_runs(tmp_path: Path, runs_dir: s
         "both workers to map the data",
     )
     CACHE.clear()  # the kernel lets go of its copy: the run goes on with its own
-    assert os.getpid() not in holders({os.getpid()})
+    assert os.getpid() not in holders({os.getpid()}, ("nbaccel-data",))
     gate.touch()
     assert run.wait(120) is nbaccel.RunState.SUCCEEDED, run.error
     assert set(run.results().values()) == {("/memfd:nbaccel-data (deleted)", float(data.sum()))}

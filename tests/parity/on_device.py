@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 from tests.multiprocess.test_accelerate_parity import DEFAULT_TOLERANCE, TOLERANCES, differences
 from tests.parity import runner
 

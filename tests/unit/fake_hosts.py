@@ -1,5 +1,5 @@
 """Fake machines for tests that detect accelerators: sysfs PCI entries and /dev nodes under a
-temporary root, as ``nbaccel.devices.detect_tpu`` reads them."""
+temporary root, as ``nbaccel.hardware.devices.detect_tpu`` reads them."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 
 
 @pytest.fixture

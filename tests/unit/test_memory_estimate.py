@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from nbaccel.config.schema import Config, DeepSpeedOptions, FSDPOptions
-from nbaccel.memory_estimate import (
+from nbaccel.hardware.memory_estimate import (
     STAGES,
     MemoryEstimate,
     count_parameters,
@@ -392,7 +392,7 @@ def test_importing_and_estimating_keep_torch_out() -> None:
     code = (
         "import sys\n"
         "from nbaccel.config.schema import Config\n"
-        "from nbaccel.memory_estimate import estimate_for_config, count_parameters\n"
+        "from nbaccel.hardware.memory_estimate import estimate_for_config, count_parameters\n"
         "estimate_for_config(Config(num_processes=2, strategy='fsdp'), 10**6).describe()\n"
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
         "print('TORCH_MODULES', bad)\n"

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from nbaccel.config.schema import Config
-from nbaccel.devices import TPUInfo, detect_tpu
 from nbaccel.errors import ConfigError
-from nbaccel.xla_plan import (
+from nbaccel.hardware.devices import TPUInfo, detect_tpu
+from nbaccel.hardware.xla_plan import (
     XlaPlan,
     check_versions,
     explain_xla_failure,

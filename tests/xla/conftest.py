@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from nbaccel.xla_plan import check_versions
+from nbaccel.hardware.xla_plan import check_versions
 
 
 def _why_not_importable() -> str | None:

@@ -14,7 +14,7 @@ from nbaccel.accel.state import DistributedType, ProcessState
 from nbaccel.config.schema import Config
 from nbaccel.context import active_session
 from nbaccel.errors import ConfigError
-from nbaccel.xla_plan import check_versions
+from nbaccel.hardware.xla_plan import check_versions
 
 
 def detect_xla_state(config: Config) -> ProcessState:

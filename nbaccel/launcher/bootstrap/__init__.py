@@ -3,6 +3,7 @@ local helper, by torch elastic on another host, or by torch_xla): the payload (t
 function, arguments and config) and how it is pickled, the bootstrap that unpacks and runs
 it with its output captured, the worker's memory reports, and Linux process controls.
 
-The lowest room of the launcher: imports nothing of the launcher outside this folder. The
-parent uses only ``payload`` and ``pickling`` (torch-free); the rest runs in workers.
+Imports nothing of the launcher outside this folder but ``sharing`` (the payload's large
+buffers in shared memory). The parent uses only ``payload`` and ``pickling`` (torch-free);
+the rest runs in workers.
 """

@@ -27,11 +27,11 @@ import torch
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
 from nbaccel.events import EventWriter, ModulesImported, ResultReady, WorkerFailed
+from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.bootstrap import pickling, script
 from nbaccel.launcher.bootstrap.payload import read_payload
 from nbaccel.launcher.sharing.packing import Packed, close_fds, pack_fresh, unpack
 from nbaccel.launcher.sharing.segments import Segment
-from nbaccel.xla_plan import XlaPlan
 
 
 def capture_output(log_fd: int) -> None:

@@ -1,5 +1,5 @@
 """``WorkerGroup``: a process group that keeps its state between cells (parent side; the
-public ``nbaccel.Workers``, in ``nbaccel/interactive.py``, adds a dashboard per call).
+public ``nbaccel.Workers``, in ``nbaccel/interactive/__init__.py``, adds a dashboard per call).
 
 It is one long launch (``api.start_plan``) whose function is ``serve.serve``: every rank
 connects back (``connect.py``: an abstract Unix socket here, TCP with ``hosts=``; each peer
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import secrets
-import signal
 import socket
 import sys
 import time
@@ -41,6 +40,7 @@ from nbaccel.launcher.interactive.calls import (
     note_kernel_name,
 )
 from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
+from nbaccel.launcher.interactive.ending import CallEnding, errors_of, shut
 from nbaccel.launcher.interactive.on_rank import serve_on_rank
 from nbaccel.launcher.interactive.relay import CellRelay
 from nbaccel.launcher.printer import TextPrinter
@@ -49,9 +49,7 @@ from nbaccel.launcher.run import Run
 from nbaccel.launcher.sharing.cache import limit_bytes
 from nbaccel.launcher.sharing.packing import Packed, close_fds, unpack
 
-INTERRUPT_GRACE = 5.0  # how long a rank gets to stop after SIGINT before the group is ended
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
-ENDED_GRACE = 10.0  # how long a run that lost a rank gets to say why and end the others
 # The last Workers made in this process, weakly: where ``%%nbaccel`` without a name runs.
 _last_made: weakref.ref[WorkerGroup] | None = None
 
@@ -61,8 +59,8 @@ def last_workers() -> WorkerGroup | None:
     return _last_made() if _last_made is not None else None
 
 
-class WorkerGroup:
-    """The processes of ``nbaccel.Workers`` (``nbaccel/interactive.py``) and their calls;
+class WorkerGroup(CallEnding):
+    """The processes of ``nbaccel.Workers`` (``nbaccel/interactive/__init__.py``) and their calls;
     shown as text here. See docs/interactive.md."""
 
     def __init__(
@@ -182,7 +180,7 @@ class WorkerGroup:
         if run is not None:
             self._ended_why = "they were closed with workers.close()"
             self._finalizer.detach()
-            _shut(run, self._replies, self._sender, self._conns, self._listener, timeout)
+            shut(run, self._replies, self._sender, self._conns, self._listener, timeout)
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -231,7 +229,7 @@ class WorkerGroup:
         # Workers dropped without close() (a setup cell run again, a script's end) end too:
         # the finalizer holds what it closes, never this object.
         self._finalizer = weakref.finalize(
-            self, _shut, run, self._replies, self._sender, self._conns, listener, 10.0
+            self, shut, run, self._replies, self._sender, self._conns, listener, 10.0
         )
 
     def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
@@ -312,7 +310,7 @@ class WorkerGroup:
             # rank wrote its mark before its reply: it is on its way, if not in already).
             self._relay.wait_output(seq, run.ranks, OUTPUT_GRACE)
             self._memory = {rank: reply.get("memory", {}) for rank, reply in replies.items()}
-            errors = _errors(replies)
+            errors = errors_of(replies)
             if errors:
                 failed = build_cell_error(
                     errors, run.world_size, run.config.collective_timeout, run.host_of
@@ -336,122 +334,3 @@ class WorkerGroup:
                 state, error = RunState.CANCELLED, None
             display(RunEnded(state, error, time.time() - started, time.time()))
             self._relay.target = self._idle
-
-    def _wait(self, run: Run, interrupted: bool, replies: dict[int, dict[str, Any]]) -> None:
-        """Every rank's reply, into ``replies``. An interrupt (here, or while the command
-        was being sent) gets the ranks SIGINT at once; one rank's error gets the ranks still
-        busy SIGINT after ``INTERRUPT_GRACE`` (they may be waiting for it in a collective).
-        SIGINT goes again each second to the ranks still busy (one that started the command
-        after the first took nothing; a rank takes one interrupt per command). A rank still
-        busy ``INTERRUPT_GRACE`` after the first SIGINT (stuck in a collective or in C code)
-        ends the group; a second interrupt here ends it at once."""
-        deadline: float | None = None  # when the ranks still busy get SIGINT, or are given up
-        signalled_at: float | None = None
-        reason = ""
-        while len(replies) < len(self._conns):
-            try:
-                if interrupted:
-                    interrupted = False
-                    raise KeyboardInterrupt
-                self._take_reply(run, replies)
-                if deadline is None and _errors(replies):
-                    deadline = time.monotonic() + INTERRUPT_GRACE
-                    reason = f"rank {_errors(replies)[0]['rank']} failed"
-                now = time.monotonic()
-                if signalled_at is None and deadline is not None and now > deadline:
-                    signalled_at, deadline = now, now + INTERRUPT_GRACE
-                    self._interrupt(run, replies)
-                elif signalled_at is not None and deadline is not None and now > deadline:
-                    raise self._stuck(run, replies, reason)
-                elif signalled_at is not None and now > signalled_at + 1.0:
-                    signalled_at = now
-                    self._interrupt(run, replies)
-            except KeyboardInterrupt:
-                if reason == "the interrupt":
-                    raise self._stuck(run, replies, "a second interrupt") from None
-                reason = "the interrupt"
-                signalled_at = time.monotonic()
-                deadline = signalled_at + INTERRUPT_GRACE
-                self._interrupt(run, replies)
-
-    def _interrupt(self, run: Run, replies: Mapping[int, Any]) -> None:
-        busy = sorted(set(self._conns) - set(replies))
-        if busy:
-            run.signal_workers(signal.SIGINT, busy)
-
-    def _take_reply(self, run: Run, replies: dict[int, dict[str, Any]]) -> None:
-        reply = self._replies.next(0.25)
-        if reply is not None and reply.get("lost"):
-            raise self._ended(run, f"rank {reply['rank']}'s connection closed")
-        if reply is not None:
-            replies[reply["rank"]] = reply
-        elif run.state.done:
-            raise self._ended(run, "the workers' run ended")
-
-    def _stuck(self, run: Run, replies: dict[int, dict[str, Any]], reason: str) -> WorkersEnded:
-        stuck = ", ".join(map(str, sorted(set(self._conns) - set(replies))))
-        why = (
-            f"rank(s) {stuck} did not stop within {INTERRUPT_GRACE:g} s of SIGINT after "
-            f"{reason}, stuck in a collective or in C code?"
-        )
-        self._end(f"they were ended after {reason}: {why}")
-        error = WorkersEnded(
-            f"{why} So the workers were ended. Start them again with workers.restart(), or "
-            "make new ones with nbaccel.Workers(...) (their namespaces start empty)."
-        )
-        failed = _errors(replies)
-        if failed:
-            timeout = run.config.collective_timeout
-            error.__cause__ = build_cell_error(failed, run.world_size, timeout, run.host_of)
-        return error
-
-    def _ended(self, run: Run, what: str) -> BaseException:
-        """The group lost a rank: the run first records why (its exit code or signal, as a
-        launch names it, and stops the others), then whatever is left is stopped."""
-        try:
-            run.wait(ENDED_GRACE)
-        except TimeoutError:
-            pass
-        cause = run.error
-        first = str(cause).splitlines()[0] if cause is not None and str(cause) else ""
-        self._end(f"{what}: {first}" if first else what)
-        why = f" ({first})" if first else ""
-        error = WorkersEnded(
-            f"{what}{why}: the workers are gone. Start them again with workers.restart(), or "
-            "make new ones with nbaccel.Workers(...) (their namespaces start empty)."
-        )
-        error.__cause__ = cause
-        return error
-
-    def _end(self, why: str) -> None:
-        """End the workers at once; ``why`` is what every later call says."""
-        run, self._run = self._run, None
-        if run is not None:
-            self._ended_why = why
-            self._finalizer.detach()
-            _shut(run, self._replies, self._sender, self._conns, self._listener, None)
-
-
-def _shut(
-    run: Run,
-    replies: Replies,
-    sender: Sender,
-    conns: Mapping[int, socket.socket],
-    listener: socket.socket,
-    wait: float | None,
-) -> None:
-    """End the workers: their connections close, so each leaves its serve loop and exits;
-    a run still going ``wait`` seconds later (or at once, with None) is stopped."""
-    replies.close()
-    sender.close()
-    for conn in conns.values():
-        conn.close()
-    try:
-        run.wait(wait if wait is not None else 0.0)
-    except TimeoutError:
-        run.stop()
-    listener.close()
-
-
-def _errors(replies: Mapping[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in replies.values() if r["status"] == "error"]

@@ -2,6 +2,7 @@
 workers and spares on request), its parent-side handle, the worker it forks, orphans swept
 when a run ends, and ``start``, which starts a planned launch's workers here.
 
-May import the launch itself (the modules beside this folder), ``bootstrap`` and ``xla``;
+May import the launch itself (the modules beside this folder), ``bootstrap``, ``sharing``
+and ``xla``;
 never ``remote`` or ``detached``.
 """

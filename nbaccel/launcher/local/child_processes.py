@@ -14,7 +14,7 @@ import gc
 import os
 from collections.abc import Iterator
 
-from nbaccel.devices import visible_gpu_count
+from nbaccel.hardware.devices import visible_gpu_count
 
 # Spares forked as soon as the helper is ready, before any launch says how many it wants.
 FIRST_SPARES = 2
@@ -27,8 +27,8 @@ def xla_machine() -> bool:
     imported (2-4 s saved per launch; the import starts no thread, so forking stays safe)."""
     from pathlib import Path
 
-    from nbaccel.devices import detect_tpu
-    from nbaccel.xla_plan import check_versions
+    from nbaccel.hardware.devices import detect_tpu
+    from nbaccel.hardware.xla_plan import check_versions
 
     tpu = detect_tpu(Path("/"), os.environ)
     return bool(tpu.chips or os.environ.get("PJRT_DEVICE")) and check_versions() is None

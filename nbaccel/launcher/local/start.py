@@ -16,13 +16,13 @@ from nbaccel.config.accelerate.compat import accelerate_env
 from nbaccel.config.resolve import Resolved
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.devices import loopback_interface, usable_cpu_cores
 from nbaccel.errors import ConfigError
+from nbaccel.hardware.devices import loopback_interface, usable_cpu_cores
+from nbaccel.hardware.xla_plan import xla_worker_env
 from nbaccel.launcher.local.helper import offer_libraries, shared_helper, take_notices
 from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, write_config
-from nbaccel.xla_plan import xla_worker_env
 
 
 def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True) -> Run:

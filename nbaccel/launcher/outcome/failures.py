@@ -7,6 +7,7 @@ failure is classified by cause and the rank that failed on its own wins. Stdlib 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -176,3 +177,30 @@ def _name_rank(error: BaseException, rank: int, world_size: int, at: str) -> Non
         error.rank = rank  # type: ignore[attr-defined]
     except AttributeError:
         pass
+
+
+# The files of nbaccel's launcher (the helper that forked the worker, the bootstrap): their
+# frames sit below the user's in a stuck rank's stack and say nothing about where it hangs.
+_LAUNCHER_FILES = f"{os.sep}nbaccel{os.sep}launcher{os.sep}"
+
+
+def last_output(log: str, lines: int = 20) -> str:
+    """What a stuck rank's error shows of its log: from its last stack dump (faulthandler's,
+    innermost frame first), the frames that are not nbaccel's launcher's, else the log's last
+    ``lines`` lines.
+
+    >>> dump = 'step 3\\nThread 0x1 (most recent call first):\\n'
+    >>> dump += '  File "/nb/t.py", line 9 in train\\n'
+    >>> dump += '  File "/x/nbaccel/launcher/local/helper_main.py", line 5 in serve\\n'
+    >>> print(last_output(dump))
+    Thread 0x1 (most recent call first):
+      File "/nb/t.py", line 9 in train
+    """
+    kept = log.splitlines()
+    header = max(
+        (i for i, line in enumerate(kept) if "(most recent call first)" in line), default=-1
+    )
+    if header >= 0:
+        kept = [line for line in kept[header:] if _LAUNCHER_FILES not in line]
+        return "\n".join(kept[:lines])
+    return "\n".join(kept[-lines:])

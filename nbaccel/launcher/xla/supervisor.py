@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from nbaccel.events import EventWriter
+from nbaccel.hardware.xla_plan import XlaPlan, explain_xla_failure
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
-from nbaccel.xla_plan import XlaPlan, explain_xla_failure
 
 ACCEPT_POLL_SECONDS = 0.2
 

@@ -24,11 +24,11 @@ from typing import Any, TextIO
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
 from nbaccel.events import EventWriter, WorkerStarted
+from nbaccel.hardware.xla_plan import XlaPlan, explain_xla_failure
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, error_message, run_payload
 from nbaccel.launcher.sharing.packing import take_shared
-from nbaccel.xla_plan import XlaPlan, explain_xla_failure
 
 _process_lock = threading.Lock()
 _process_ready = False

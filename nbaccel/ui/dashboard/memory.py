@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import psutil
 
-from nbaccel.devices import choose_gpus
 from nbaccel.errors import ConfigError
 from nbaccel.events import DeviceMemory
+from nbaccel.hardware.devices import choose_gpus
 from nbaccel.ui.dashboard.model import MemoryReading
 
 Pids = Callable[[], Mapping[int, int]]

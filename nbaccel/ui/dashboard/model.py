@@ -30,8 +30,8 @@ from nbaccel.events import (
     SettingsApplied,
     WorkerStarted,
 )
+from nbaccel.hardware.memory_estimate import MemoryEstimate, estimate_for_config
 from nbaccel.launcher.printer import line_label
-from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
 from nbaccel.ui.dashboard.parts import (
     ErrorReport,
     LogTail,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from nbaccel.memory_estimate import MemoryEstimate
+from nbaccel.hardware.memory_estimate import MemoryEstimate
 from nbaccel.ui.dashboard.model import (
     TOGETHER,
     DashboardModel,

@@ -31,11 +31,11 @@ from nbaccel.config.display import applies, launch_flags
 from nbaccel.config.files import save
 from nbaccel.config.resolve import resolve
 from nbaccel.config.schema import Config, flatten, option, options
-from nbaccel.devices import detect_tpu, visible_gpu_count
 from nbaccel.errors import ConfigError
 from nbaccel.events import Event, RunEnded, RunState
+from nbaccel.hardware.devices import detect_tpu, visible_gpu_count
+from nbaccel.hardware.memory_estimate import count_parameters
 from nbaccel.launcher.api import plan_world_size
-from nbaccel.memory_estimate import count_parameters
 from nbaccel.ui.panel import config_widgets as cw
 from nbaccel.ui.panel.config_groups import Machine, matters_here
 

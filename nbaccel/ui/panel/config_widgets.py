@@ -19,7 +19,7 @@ import ipywidgets as widgets
 from nbaccel.config.display import show_value
 from nbaccel.config.schema import Config, Option, from_flat, option, parse_text, sections
 from nbaccel.errors import ConfigError
-from nbaccel.memory_estimate import MemoryEstimate, estimate_for_config
+from nbaccel.hardware.memory_estimate import MemoryEstimate, estimate_for_config
 from nbaccel.ui.panel.config_groups import GROUPS, Machine, grouped_options
 
 LABEL_WIDTH = "230px"

@@ -15,7 +15,7 @@ import pytest
 
 from nbaccel.cli import env as cli_env
 from nbaccel.cli.env import collect_report, format_report
-from nbaccel.devices import detect_tpu
+from nbaccel.hardware.devices import detect_tpu
 from tests.unit.fake_hosts import dev_entries, pci_device
 
 SECTIONS = ["Packages", "Devices", "Backends", "Config files", "Environment", "Warnings"]

@@ -39,7 +39,7 @@ def demo(monkeypatch: pytest.MonkeyPatch, gpus: int, *argv: str) -> dict[str, An
         asked.update(kwargs)
         return {"world_size": kwargs["num_processes"] or gpus}
 
-    monkeypatch.setattr("nbaccel.devices.visible_gpu_count", lambda env: gpus)
+    monkeypatch.setattr("nbaccel.hardware.devices.visible_gpu_count", lambda env: gpus)
     monkeypatch.setattr(nbaccel, "notebook_launcher", launcher, raising=False)
     assert cli_main.main(["demo", *argv]) == 0
     return asked

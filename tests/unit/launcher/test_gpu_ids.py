@@ -13,8 +13,8 @@ import pytest
 import nbaccel
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.devices import GpuChoice, choose_gpus
 from nbaccel.errors import ConfigError
+from nbaccel.hardware.devices import GpuChoice, choose_gpus
 from nbaccel.launcher import api
 from nbaccel.launcher.local.start import worker_env
 from nbaccel.launcher.planned import Planned

@@ -27,10 +27,10 @@ from nbaccel.events import (
     WorkerFailed,
     WorkerStarted,
 )
+from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
 from nbaccel.launcher.run import Run
-from nbaccel.xla_plan import XlaPlan
 from tests.unit.fake_hosts import tpu_host
 
 

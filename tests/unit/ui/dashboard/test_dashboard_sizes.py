@@ -150,7 +150,7 @@ def test_a_zombie_worker_reads_na_not_zero() -> None:
 
 # ----- what each memory number covers --------------------------------------------------------
 def test_the_text_says_what_rss_and_the_estimate_cover() -> None:
-    from nbaccel.memory_estimate import estimate_for_config
+    from nbaccel.hardware.memory_estimate import estimate_for_config
 
     reading = MemoryReading("rank 0 (cpu)", 281 * MiB, 290 * MiB, 2**34, baseline=250 * MiB)
     estimate = estimate_for_config(Config(num_processes=2), 131_841)

@@ -28,7 +28,7 @@ from nbaccel.config.resolve import resolve
 from nbaccel.config.schema import Config, from_flat, options
 from nbaccel.errors import ConfigError
 from nbaccel.events import RunEnded, RunState
-from nbaccel.memory_estimate import estimate_for_config
+from nbaccel.hardware.memory_estimate import estimate_for_config
 from nbaccel.ui.panel import config_widgets
 from nbaccel.ui.panel.config_groups import group_of
 from nbaccel.ui.panel.config_panel import ConfigPanel

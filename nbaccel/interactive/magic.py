@@ -57,7 +57,7 @@ def parse_line(line: str) -> tuple[str | None, frozenset[int] | None]:
     (None, frozenset())
     >>> parse_line("--ranks one")
     Traceback (most recent call last):
-    nbaccel.magic.CellRefused: %%nbaccel --ranks one: expected 'all' or a comma list of ranks ...
+    nbaccel.interactive.magic.CellRefused: %%nbaccel --ranks one: expected 'all' or a comma ...
     """
     try:
         options = _parser().parse_args(shlex.split(line))
@@ -131,7 +131,7 @@ def refuse_ipython_syntax(cell: str, transform: Callable[[str], str]) -> None:
     >>> from IPython.core.inputtransformer2 import TransformerManager
     >>> refuse_ipython_syntax("import os\\n!ls", TransformerManager().transform_cell)
     Traceback (most recent call last):
-    nbaccel.magic.CellRefused: %%nbaccel: line 2 of the cell, `!ls`, is IPython syntax (a shell ...
+    nbaccel.interactive.magic.CellRefused: %%nbaccel: line 2 of the cell, `!ls`, is IPython ...
     """
     try:
         ast.parse(cell)

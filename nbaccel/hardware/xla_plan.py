@@ -15,8 +15,8 @@ from importlib import metadata
 from typing import Any
 
 from nbaccel.config.schema import Config
-from nbaccel.devices import TPUInfo
 from nbaccel.errors import ConfigError
+from nbaccel.hardware.devices import TPUInfo
 
 MIN_TORCH_XLA = (2, 8)
 VersionOf = Callable[[str], "str | None"]
