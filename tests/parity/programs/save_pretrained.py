@@ -72,11 +72,12 @@ def main():
 
     probe = torch.stack([row["input_ids"] for row in synthetic_reviews(6, seed=10)])
     unwrapped_model.eval()
-    reloaded = BertForSequenceClassification.from_pretrained(args.output_dir)
+    # On the trained model's device: a GPU's logits equal a GPU's, not a CPU's, bit for bit.
+    reloaded = BertForSequenceClassification.from_pretrained(args.output_dir).to(accelerator.device)
     reloaded.eval()
     with torch.no_grad():
         trained_logits = unwrapped_model(input_ids=probe.to(accelerator.device)).logits.cpu()
-        reloaded_logits = reloaded(input_ids=probe).logits
+        reloaded_logits = reloaded(input_ids=probe.to(accelerator.device)).logits.cpu()
     optimizer_state = torch.load(os.path.join(args.output_dir, "optimizer.pt"))
 
     results = {
