@@ -98,7 +98,8 @@ dashboard-image: $(STAMP) bytecode
 # .ci/run builds this venv in the background while `make test` runs, then calls
 # `make test-newest NEWEST_READY=1`. It runs the suites where each dependency meets nbaccel,
 # not every suite again (CI must stay well under 30 minutes): the Accelerator's unit tests
-# (in-process, on torch's and Accelerate's APIs); the launch, pickling (cloudpickle), the
+# (in-process, on torch's and Accelerate's APIs); the launch, pickling (cloudpickle, and
+# protocol 5's buffers of numpy, pandas, pyarrow and datasets in shared memory), the
 # Accelerator and its parity with Accelerate, FSDP2 and DCP checkpoints (safetensors),
 # torch elastic's restarts and comm hooks; kernels and widgets (ipykernel, ipywidgets,
 # nbclient) with notebooks 01 (dashboard, failure) and 05 (Accelerate's code unchanged);
@@ -110,7 +111,7 @@ NEWEST_TESTS := tests/unit/accel \
 	tests/multiprocess/test_accelerator.py tests/multiprocess/test_accelerate_parity.py \
 	tests/multiprocess/test_sharding.py tests/multiprocess/test_restarts.py \
 	tests/multiprocess/test_step_breakdown.py tests/multiprocess/test_strategies.py \
-	tests/multiprocess/test_options_wiring.py \
+	tests/multiprocess/test_options_wiring.py tests/multiprocess/test_shared_data.py \
 	'tests/multiprocess/test_accel_checkpoint.py::test_resume_equals_the_uninterrupted_run[ddp]' \
 	'tests/multiprocess/test_accel_checkpoint.py::test_resume_equals_the_uninterrupted_run[fsdp-sharded]' \
 	tests/notebook/test_notebook_launch.py tests/notebook/test_kernel_interrupt.py \
