@@ -13,6 +13,7 @@ import os
 import secrets
 import tempfile
 import time
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,12 @@ def start(
     ``detach=True`` the workers run under a supervisor of their own (``detached.py``) and
     the returned run is attached to it.
     """
-    return start_plan(plan(function, args, num_processes, kwargs, config, overrides), show=show)
+    run = start_plan(plan(function, args, num_processes, kwargs, config, overrides), show=show)
+    # A cell's function took the kernel's globals as they were: a NameError from a rank for
+    # a name defined since says so (Run._value).
+    if isinstance(function, types.FunctionType) and function.__module__ == "__main__":
+        run.kernel_names = function.__globals__
+    return run
 
 
 def start_plan(planned: Planned, *, show: Display) -> Run:

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import Notice, RunStarted, RunState
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.outcome.arbiter import Arbiter
+from nbaccel.launcher.outcome.failures import note_kernel_name
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.pump import RankPipes, RunPump, Subscriber
 from nbaccel.launcher.results import ResultBoxes, load_value
@@ -62,6 +63,9 @@ class Run(RunPump):
         self._state = RunState.PENDING
         self._subscribers: list[Subscriber] = []
         self.notices: list[str] = []  # told as Notice events once the run has started
+        # The globals of the cell function launched (api.start): a NameError for a name
+        # defined there since gets a note. Dropped once used.
+        self.kernel_names: Mapping[str, Any] | None = None
         # Rank 0's latest metrics; all of them are in events.jsonl. The lock guards both,
         # so that run.metrics can flush the file from the user's thread.
         self._metrics: deque[dict[str, Any]] = deque(maxlen=config.metrics_in_memory)
@@ -266,6 +270,9 @@ class Run(RunPump):
         state = self.wait(timeout)
         if state is RunState.FAILED:
             assert self._error is not None
+            if self.kernel_names is not None:  # once: the same error is raised each time
+                note_kernel_name(self._error, self.kernel_names, "launch")
+                self.kernel_names = None
             raise self._error.with_traceback(None)  # fresh each time: tracebacks would pile up
         if state is RunState.CANCELLED:
             raise RunCancelled(

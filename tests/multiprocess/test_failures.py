@@ -192,3 +192,21 @@ def test_first_launch_of_a_fresh_helper_blames_the_killed_rank(
     # torch._dynamo for seconds, so rank 1's exit status came after rank 0's peer error.
     result = run_script(FIRST_LAUNCH_SIGKILL, tmp_path, timeout=150)
     assert "BLAMED 1 SIGKILL" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_name_defined_after_the_launch_is_explained(runs_dir: str) -> None:
+    # A cell's function takes the kernel's globals as they are at the launch: a name the
+    # user defines in a later cell reaches no rank, and the error says so.
+    cell: dict[str, object] = {"__name__": "__main__"}
+    exec("def train():\n    return learning_rate * 2\n", cell)
+    run = nbaccel.launch(cell["train"], num_processes=1, runs_dir=runs_dir)
+    assert run.wait(timeout=60) is nbaccel.RunState.FAILED
+    cell["learning_rate"] = 0.1  # the cell that defines it, run too late
+    with pytest.raises(NameError) as caught:
+        run.result()
+    said = "\n".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
+    assert "'learning_rate' is defined in this kernel now, but it was not when" in said
+    assert "function was launched" in said
+    with pytest.raises(NameError) as again:  # told once, not piled up
+        run.result()
+    assert len(getattr(again.value, "__notes__", [])) == len(getattr(caught.value, "__notes__", []))

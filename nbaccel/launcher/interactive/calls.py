@@ -4,8 +4,8 @@
 thread, where an interrupt lands, only takes whole replies from a queue. Replies are plain
 data read with ``unpickling.loads`` (the value inside stays bytes until the caller loads it).
 ``build_cell_error`` turns the ranks' error reports into the exception a launch would raise
-(``outcome.failures``): the worker's type, ``[rank N]``, the remote traceback as its cause;
-``note_kernel_name`` adds a note to a NameError for a name the kernel has and the ranks lack.
+(``outcome.failures``): the worker's type, ``[rank N]``, the remote traceback as its cause
+(and ``outcome.failures.note_kernel_name``'s note on a NameError for a name the kernel has);
 ``check_ranks`` refuses ranks the workers do not have, before a call is sent.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import selectors
 import socket
 import threading
@@ -156,41 +155,3 @@ def check_ranks(ranks: frozenset[int], world_size: int, asked: str) -> None:
             f"{asked} names {names}, but these workers have {have} (world size {world_size}): "
             "name some of those, or all."
         )
-
-
-_NOT_DEFINED = re.compile(r"name '(\w+)' is not defined")
-
-
-def note_kernel_name(error: BaseException, kernel: Mapping[str, Any] | None, op: str) -> None:
-    """Add a note to a rank's NameError for a name the kernel's namespace (``kernel``) has:
-    the ranks have their own namespaces, and a function takes the kernel's globals when it
-    is sent (``op``: "exec" for a cell, "run" for a function), not later.
-
-    >>> error = NameError("[rank 0] name 'lr' is not defined")
-    >>> note_kernel_name(error, {"lr": 0.1}, "run")
-    >>> said = [str(error), *getattr(error, "__notes__", [])]  # Python 3.10: in the message
-    >>> print(said[-1].splitlines()[-1])  # doctest: +ELLIPSIS
-    [nbaccel] 'lr' is defined in this kernel now, but it was not when the function was sent: ...
-    """
-    found = _NOT_DEFINED.search(str(error)) if isinstance(error, NameError) else None
-    if found is None or kernel is None or found.group(1) not in kernel:
-        return  # a name the kernel lacks too: the error says all there is
-    name = found.group(1)
-    if op == "exec":
-        note = (
-            f"[nbaccel] '{name}' is defined in this kernel, but not on the ranks: a %%nbaccel "
-            "cell runs in each rank's own namespace, and a function sent to the ranks took "
-            "the kernel's globals when it was sent, not later. Send it with "
-            f"workers.push({name}={name}), or define it in a %%nbaccel cell."
-        )
-    else:
-        note = (
-            f"[nbaccel] '{name}' is defined in this kernel now, but it was not when the "
-            "function was sent: a function takes the kernel's globals when it is sent "
-            "(workers.run) or launched, not later. Run the cell that defines it first, pass it "
-            f"as an argument, or send it with workers.push({name}={name})."
-        )
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10: no notes
-        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])

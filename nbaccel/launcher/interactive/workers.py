@@ -37,12 +37,12 @@ from nbaccel.launcher.interactive.calls import (
     Sender,
     build_cell_error,
     check_ranks,
-    note_kernel_name,
 )
 from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
 from nbaccel.launcher.interactive.ending import CallEnding, errors_of, shut
 from nbaccel.launcher.interactive.on_rank import serve_on_rank
 from nbaccel.launcher.interactive.relay import CellRelay
+from nbaccel.launcher.outcome.failures import note_kernel_name
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run

@@ -8,10 +8,12 @@ failure is classified by cause and the rank that failed on its own wins. Stdlib 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nbaccel import unpickling
 from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
@@ -204,3 +206,49 @@ def last_output(log: str, lines: int = 20) -> str:
         kept = [line for line in kept[header:] if _LAUNCHER_FILES not in line]
         return "\n".join(kept[:lines])
     return "\n".join(kept[-lines:])
+
+
+_NOT_DEFINED = re.compile(r"name '(\w+)' is not defined")
+
+
+def note_kernel_name(error: BaseException, kernel: Mapping[str, Any] | None, op: str) -> None:
+    """Add a note to a rank's NameError for a name the kernel's namespace (``kernel``) has:
+    the ranks have their own namespaces, and a function takes the kernel's globals when it
+    is sent or launched (``op``: "exec" for a cell, "run" for a function sent to interactive
+    workers, "launch" for a launched one), not later.
+
+    >>> error = NameError("[rank 0] name 'lr' is not defined")
+    >>> note_kernel_name(error, {"lr": 0.1}, "run")
+    >>> said = [str(error), *getattr(error, "__notes__", [])]  # Python 3.10: in the message
+    >>> print(said[-1].splitlines()[-1])  # doctest: +ELLIPSIS
+    [nbaccel] 'lr' is defined in this kernel now, but it was not when the function was sent: ...
+    """
+    found = _NOT_DEFINED.search(str(error)) if isinstance(error, NameError) else None
+    if found is None or kernel is None or found.group(1) not in kernel:
+        return  # a name the kernel lacks too: the error says all there is
+    name = found.group(1)
+    if op == "launch":
+        note = (
+            f"[nbaccel] '{name}' is defined in this kernel now, but it was not when the "
+            "function was launched: the workers get the globals a function uses as they are "
+            "at the launch, not later. Run the cell that defines it, then launch again (or "
+            "pass it as an argument)."
+        )
+    elif op == "exec":
+        note = (
+            f"[nbaccel] '{name}' is defined in this kernel, but not on the ranks: a %%nbaccel "
+            "cell runs in each rank's own namespace, and a function sent to the ranks took "
+            "the kernel's globals when it was sent, not later. Send it with "
+            f"workers.push({name}={name}), or define it in a %%nbaccel cell."
+        )
+    else:
+        note = (
+            f"[nbaccel] '{name}' is defined in this kernel now, but it was not when the "
+            "function was sent: a function takes the kernel's globals when it is sent "
+            "(workers.run) or launched, not later. Run the cell that defines it first, pass it "
+            f"as an argument, or send it with workers.push({name}={name})."
+        )
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: no notes
+        error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
