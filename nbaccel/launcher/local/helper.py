@@ -20,19 +20,20 @@ Before each launch (in a kernel also after each cell) ``shared_helper`` checks w
 stat calls that the installed files the helper loaded are still those on disk
 (``installed_files``). If one changed (a ``pip install`` in the notebook), the helper retires
 and the launch's output says ``nbaccel: reloaded: NAME (changed on disk)``. A retired helper
-is replaced by its successor, forked before its first preload with torch imported (ready in
+is replaced by its successor, forked when it said "ready", with torch imported (ready in
 milliseconds: ``successor``), or by a fresh helper where that is stale too; the replacement
 is asked for what the old one was, and imports it from the disk as it is now.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from nbaccel import unpickling
@@ -77,6 +78,7 @@ class HelperProcess:
         self._alive = True
         self._closed = False
         self._retired = False  # unsafe, or what it preloaded changed: no new launches here
+        self._holds = 0  # launches being started here (``held_helper``): it stays till they end
         self._offered: set[str] = set()  # libraries asked for, each once
         self.preloaded: dict[str, Any] = {}  # the helper's last "preloaded" report
         self._preload_seen = threading.Condition()
@@ -129,14 +131,32 @@ class HelperProcess:
         return HelperProcess({}, successor=(self._base, ours, check))
 
     def retire(self) -> None:
-        """No new launch here; closed now if no run is in flight, else when the last ends."""
+        """No new launch here; closed now if no run is in flight and no launch is being
+        started here (``held_helper``), else when the last of them ends."""
         with self._preload_seen:
             self._retired = True
             self._preload_seen.notify_all()
         with self._listeners_lock:
-            idle = not self._listeners
+            idle = not self._listeners and not self._holds
         if idle:
-            threading.Thread(target=self.close, name="nbaccel-helper-close", daemon=True).start()
+            self._close_soon()
+
+    def hold(self) -> None:
+        """A launch is being started here: a retirement leaves it open (``release``)."""
+        with self._listeners_lock:
+            self._holds += 1
+
+    def release(self) -> None:
+        """That launch's run has subscribed (or it failed before): a retired helper goes
+        once no run is left in flight."""
+        with self._listeners_lock:
+            self._holds -= 1
+            done = self._retired and not self._listeners and not self._holds
+        if done:
+            self._close_soon()
+
+    def _close_soon(self) -> None:
+        threading.Thread(target=self.close, name="nbaccel-helper-close", daemon=True).start()
 
     def preload(self, names: list[str]) -> None:
         """Ask the helper to import these libraries once idle (each asked for once)."""
@@ -159,9 +179,9 @@ class HelperProcess:
     def unsubscribe(self, run_id: str) -> None:
         with self._listeners_lock:
             self._listeners.pop(run_id, None)
-            done = self._retired and not self._listeners
+            done = self._retired and not self._listeners and not self._holds
         if done:  # its last run ended: a retired helper goes
-            threading.Thread(target=self.close, name="nbaccel-helper-close", daemon=True).start()
+            self._close_soon()
 
     def wait_preloaded(self, timeout: float) -> bool:
         """Wait until the helper has dealt with every library offered so far (imported or
@@ -323,7 +343,27 @@ def shared_helper(timeout: float = HELPER_START_TIMEOUT_S) -> HelperProcess:
     waits for that start, at most ``timeout`` seconds, and gets the same helper.
     This is a resource cache, like a connection pool: it holds no configuration.
     """
-    global _shared
+    with _helper_lock(timeout):
+        return _current()
+
+
+@contextlib.contextmanager
+def held_helper(timeout: float = HELPER_START_TIMEOUT_S) -> Iterator[HelperProcess]:
+    """``shared_helper``, held while a launch is started on it: if it retires meanwhile (a
+    library it preloaded turned out unsafe to fork with, a file it loaded changed), it is not
+    closed under the launch, and serves it (from its spares, or from spares started in a
+    fresh interpreter where forking became unsafe); it goes once the launch's run ends."""
+    with _helper_lock(timeout):
+        helper = _current()
+        helper.hold()
+    try:
+        yield helper
+    finally:
+        helper.release()
+
+
+@contextlib.contextmanager
+def _helper_lock(timeout: float) -> Iterator[None]:
     if not _shared_lock.acquire(timeout=timeout):
         raise HelperError(
             f"the nbaccel helper process was still being started by another thread after "
@@ -333,15 +373,21 @@ def shared_helper(timeout: float = HELPER_START_TIMEOUT_S) -> HelperProcess:
             "start at import."
         )
     try:
-        if _shared is not None and _shared.usable:
-            _shared = _checked(_shared)
-        if _shared is None or not _shared.alive:
-            _shared = HelperProcess(os.environ)
-        elif not _shared.usable:  # retired (unsafe) before its replacement was made
-            _shared = _replacement(_shared, set())
-        return _shared
+        yield
     finally:
         _shared_lock.release()
+
+
+def _current() -> HelperProcess:
+    """The shared helper, checked, replaced or started as needed (under ``_shared_lock``)."""
+    global _shared
+    if _shared is not None and _shared.usable:
+        _shared = _checked(_shared)
+    if _shared is None or not _shared.alive:
+        _shared = HelperProcess(os.environ)
+    elif not _shared.usable:  # retired (unsafe) before its replacement was made
+        _shared = _replacement(_shared, set())
+    return _shared
 
 
 def renew_if_changed() -> None:
