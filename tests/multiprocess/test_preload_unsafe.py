@@ -71,8 +71,18 @@ try:
     value = launch(already, "x")
 except Exception as error:
     value = repr(error)
-print(json.dumps({"gated": gated == {0: True, 1: True}, "next": value,
-                  "shared": helper_module.shared_helper() is last, "alive": last.alive,
+shared, alive, base = helper_module.shared_helper() is last, last.alive, last._base
+helper_module.shutdown_shared_helper()
+import psutil
+try:
+    psutil.Process(base).wait(60)            # no child of ours: it reads EOF, and exits
+    base_gone = True
+except psutil.NoSuchProcess:
+    base_gone = True
+except psutil.TimeoutExpired:
+    base_gone = False
+print(json.dumps({"gated": gated == {0: True, 1: True}, "next": value, "shared": shared,
+                  "alive": alive, "base_gone": base_gone,
                   "chain": [first is replacements[0][0], middle is replacements[1][0]]}))
 """,
         stand_ins={"thready_too.py": THREAD_AT_IMPORT},
@@ -82,6 +92,7 @@ print(json.dumps({"gated": gated == {0: True, 1: True}, "next": value,
         "next": False,
         "shared": True,
         "alive": True,
+        "base_gone": True,
         "chain": [True, True],
     }, out
 
@@ -127,3 +138,64 @@ print(json.dumps({"value": value, "replacements": len(replacements),
         "retired_alive": False,
         "next": False,
     }, out
+
+
+# A library whose import starts a thread (pyarrow), one that imports it (pandas), one that
+# imports both, the first directly (datasets), and safe ones beside them (huggingface_hub,
+# and transformers, which imports it).
+CASCADE = {
+    "tharrow.py": THREAD_AT_IMPORT,
+    "pandaish.py": "import tharrow\n",
+    "dataish.py": "import hubish, tharrow, pandaish\n",
+    "hubish.py": "VALUE = 'safe'\n",
+    "transformish.py": "import hubish\n",
+}
+
+
+def test_one_import_that_starts_a_thread_retires_one_helper_and_refuses_what_leads_to_it(
+    tmp_path: Path,
+) -> None:
+    # The first helper imports dataish (the names go in order), which loads tharrow, whose
+    # thread makes the helper unsafe. Refused with it: what leads to tharrow's import
+    # (dataish, and pandaish, which imports it too though dataish had loaded it first);
+    # not hubish or transformish, which the replacement preloads. Refusing only dataish
+    # retired the next helper at pandaish, and the one after at tharrow.
+    result, out = drive(
+        tmp_path,
+        RECORD_REPLACEMENTS
+        + """
+import dataish, pandaish, tharrow, hubish, transformish
+names = ["dataish", "hubish", "pandaish", "tharrow", "transformish"]
+
+def held():
+    import sys
+    return {name: name in sys.modules for name in names}
+
+launch(already, "x")                      # offers them: the first helper refuses dataish
+def settled():
+    helper = helper_module.shared_helper()
+    return helper.wait_preloaded(60) and helper.usable
+wait_until(settled)                       # a helper that dealt with every offer, usable
+print(json.dumps({"replacements": len(replacements), "held": launch(held),
+                  "refused": [n for n in names if helper_module.CHOICE.refused(n)]}))
+""",
+        stand_ins=CASCADE,
+    )
+    assert result == {
+        "replacements": 1,
+        "held": {
+            "dataish": False,
+            "hubish": True,
+            "pandaish": False,
+            "tharrow": False,
+            "transformish": True,
+        },
+        "refused": ["dataish", "pandaish", "tharrow"],
+    }, out
+    assert (
+        out.count(
+            "nbaccel: not preloaded: dataish, pandaish, tharrow (tharrow: it started a thread at "
+            "import; the others import it); workers import them themselves"
+        )
+        == 1
+    ), out

@@ -294,12 +294,11 @@ class HelperProcess:
             listener({"op": "helper_died", "error": self._failure})
 
     def _refused(self, message: dict[str, Any]) -> None:
-        CHOICE.refuse(message["module"])
+        names = list(message.get("refused") or [message["module"]])
+        for name in names:
+            CHOICE.refuse(name)
         unsafe = bool(message.get("unsafe"))
-        NOTICES.append(
-            f"not preloaded: {message['module']} ({message['why']}); workers import it "
-            + ("themselves, and a fresh helper was started" if unsafe else "themselves")
-        )
+        NOTICES.append(refusal_notice(names, message["why"], message.get("culprit"), unsafe))
         if unsafe:  # replaced at once: the replacement is ready for the next launch
             with self._preload_seen:
                 self._retired = True
@@ -307,6 +306,25 @@ class HelperProcess:
             threading.Thread(
                 target=_replace, args=(self,), name="nbaccel-renew", daemon=True
             ).start()
+
+
+def refusal_notice(names: list[str], why: str, culprit: str | None, unsafe: bool) -> str:
+    """What a launch's output says of libraries the helper refused.
+
+    >>> refusal_notice(["thready"], "it started a thread at import", "thready", True)
+    'not preloaded: thready (it started a thread at import); workers import it themselves, \
+and a fresh helper was started'
+    >>> print(refusal_notice(["datasets", "pandas", "pyarrow"], "it started a thread at "
+    ...                      "import", "pyarrow", True))  # doctest: +NORMALIZE_WHITESPACE
+    not preloaded: datasets, pandas, pyarrow (pyarrow: it started a thread at import; the
+    others import it); workers import them themselves, and a fresh helper was started
+    """
+    if len(names) == 1:
+        told, them = f"{names[0]} ({why})", "it"
+    else:
+        told, them = f"{', '.join(names)} ({culprit}: {why}; the others import it)", "them"
+    fresh = ", and a fresh helper was started" if unsafe else ""
+    return f"not preloaded: {told}; workers import {them} themselves{fresh}"
 
 
 # Which of this process's modules may be preloaded (judged once each), and what the helper
