@@ -30,7 +30,7 @@ sys.path.insert(0, {site!r})
 os.environ["PYTHONPATH"] = {site!r}  # the helper, started below, inherits it
 import nbaccel
 from nbaccel.launcher.local import helper as helper_module
-from nbaccel.launcher.local.preload_choice import PreloadChoice
+from nbaccel.launcher.local.preloading.preload_choice import PreloadChoice
 
 helper_module.CHOICE = PreloadChoice(roots=[{site!r}])
 

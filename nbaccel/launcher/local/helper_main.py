@@ -45,9 +45,9 @@ from nbaccel.launcher.local.child_processes import (
     signal_group,
 )
 from nbaccel.launcher.local.exec_spare import start_exec_spare
-from nbaccel.launcher.local.installed_files import LoadedFiles
 from nbaccel.launcher.local.orphans import Orphans
-from nbaccel.launcher.local.preload import Preloader
+from nbaccel.launcher.local.preloading.installed_files import LoadedFiles
+from nbaccel.launcher.local.preloading.preload import Preloader
 from nbaccel.launcher.local.successor import (
     Become,
     ParentWatch,

@@ -33,8 +33,8 @@ from nbaccel.launcher.local.child_processes import (
     signal_group,
     xla_machine,
 )
-from nbaccel.launcher.local.installed_files import LoadedFiles
-from nbaccel.launcher.local.preload import Preloader, sockets_of
+from nbaccel.launcher.local.preloading.installed_files import LoadedFiles
+from nbaccel.launcher.local.preloading.preload import Preloader, sockets_of
 from nbaccel.launcher.local.successor import Become, ParentWatch, fork_base
 
 # Imported once the helper is idle (right after "ready" when nothing is asked), so forked

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.launcher.local.import_trace import ImportTrace
+from nbaccel.launcher.local.preloading.import_trace import ImportTrace
 
 # A made-up dependency tree; ``tr_cul.core`` is the module whose import "starts a thread"
 # (it marks tr_flag, which the probe reads). tr_top imports tr_mid, which imports tr_cul;

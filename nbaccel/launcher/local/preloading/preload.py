@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbaccel.launcher.local.import_trace import ImportTrace
+from nbaccel.launcher.local.preloading.import_trace import ImportTrace
 
 # Signals a module cannot catch; SIGALRM and SIGIO serve the kernel during imports
 # (between_bytecodes.serving_while) and are the helper's own while it imports.
