@@ -12,8 +12,10 @@ holds ``numpy`` and ``huggingface_hub`` too, which are safe, and which other lib
 So while the helper imports, ``ImportTrace`` watches, at every module the import loads
 (a finder first on ``sys.meta_path``, which finds nothing) and at the return of every
 ``import`` statement that loaded something (``builtins.__import__``): a cheap probe says
-whether the hazard has appeared yet. The first time it has, the modules being executed at
-that moment (the frames running a module's body) are the *chain* that led to it: here
+whether a hazard is there. When one appears (a thread that a module started and joined
+again does not count: the last onset of the hazard the final check names does), the modules
+being executed at that moment (the frames running a module's body) are the *chain* that led
+to it: here
 ``datasets``, ``datasets.arrow_dataset``, ``pandas``, ``pandas.compat``, ``pyarrow``. Every
 module on the chain starts the hazard when imported afresh, and so does every module that
 imports one of them: each ``import`` statement is noted (importer, imported), also of a
@@ -29,7 +31,7 @@ put back, or passed through if a library wrapped them meanwhile).
 
 >>> with ImportTrace(lambda: None) as trace:
 ...     import colorsys
->>> trace.chain is None
+>>> trace.chain("it started a thread at import") is None
 True
 """
 
@@ -58,8 +60,9 @@ class ImportTrace:
         self._finder = _Watcher(self)
         self._real_import = builtins.__import__
         self._hook = self._import  # one bound method: ``is`` tells whether it is still ours
-        self.why: str | None = None  # what the probe said the first time it fired
-        self.chain: tuple[str, ...] | None = None  # modules being executed then, outermost first
+        self._state: str | None = None  # what the probe said last
+        # Per hazard, the modules being executed when it last appeared, outermost first.
+        self._onsets: dict[str, tuple[str, ...]] = {}
 
     def __enter__(self) -> ImportTrace:
         self._before = frozenset(sys.modules)
@@ -76,12 +79,17 @@ class ImportTrace:
         if self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
 
-    def refused(self, name: str) -> list[str]:
-        """What to refuse after importing ``name`` made the helper unsafe: the chain and
-        every module loaded by this import that imports one of it (a package stands for its
-        submodules), sorted; ``[name]`` where nothing more precise is known."""
+    def chain(self, why: str) -> tuple[str, ...] | None:
+        """The modules being executed when hazard ``why`` last appeared, outermost first;
+        None if the probe never saw it (it appeared after the last module was loaded)."""
+        return self._onsets.get(why)
+
+    def refused(self, name: str, why: str) -> list[str]:
+        """What to refuse after importing ``name`` made the helper unsafe (``why``): the
+        chain and every module loaded by this import that imports one of it (a package
+        stands for its submodules), sorted; ``[name]`` where nothing more is known."""
         new = set(sys.modules) - self._before
-        found = {name} | {m for m in self.chain or () if m in new}
+        found = {name} | {m for m in self.chain(why) or () if m in new}
         importers: dict[str, set[str]] = {}
         for importer, imported, fromlist, level, package in self._edges:
             if importer in new:
@@ -96,9 +104,10 @@ class ImportTrace:
                     grew = True
         return sorted(m for m in found if not any(p in found for p in _parents(m)))
 
-    def culprit(self, name: str) -> str:
+    def culprit(self, name: str, why: str) -> str:
         """The innermost module of the chain (whose code ran when the hazard appeared)."""
-        return self.chain[-1] if self.chain else name
+        chain = self.chain(why)
+        return chain[-1] if chain else name
 
     # ----- the watch ------------------------------------------------------------------
     def _import(
@@ -116,7 +125,7 @@ class ImportTrace:
         self._edges.append((importer, name, tuple(fromlist or ()), level, package))
         loaded = len(sys.modules)
         module = self._real_import(name, globals, locals, fromlist or (), level)
-        if self.chain is None and len(sys.modules) != loaded:
+        if len(sys.modules) != loaded:
             self._look(_targets(name, fromlist or (), level, package))
         return module
 
@@ -126,16 +135,15 @@ class ImportTrace:
             return
         running = self._running()
         self._edges.append((running[-1] if running else None, fullname, (), 0, None))
-        if self.chain is None:
-            self._look((), running)
+        self._look((), running)
 
     def _look(self, just_loaded: Iterable[str], running: list[str] | None = None) -> None:
         why = self._probe()
-        if why is None:
-            return
-        running = self._running() if running is None else running
-        fresh = [m for m in sorted(just_loaded) if m in sys.modules and m not in self._before]
-        self.why, self.chain = why, tuple(running + [m for m in fresh if m not in running])
+        if why is not None and why != self._state:
+            running = self._running() if running is None else running
+            fresh = [m for m in sorted(just_loaded) if m in sys.modules and m not in self._before]
+            self._onsets[why] = tuple(running + [m for m in fresh if m not in running])
+        self._state = why
 
     def _running(self) -> list[str]:
         """The modules whose body is being executed, loaded by this import, outermost first."""

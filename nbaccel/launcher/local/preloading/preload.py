@@ -113,7 +113,7 @@ def import_traced(
     after = Hazards.now()
     why = unsafe_change(before, after, held)
     if why is not None:
-        return Verdict(why, tuple(trace.refused(name)), trace.culprit(name))
+        return Verdict(why, tuple(trace.refused(name, why)), trace.culprit(name, why))
     if after.handlers != before.handlers:
         undo_handlers(before)
         return Verdict("handlers: it installed a signal handler at import")

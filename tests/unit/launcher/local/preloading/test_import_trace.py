@@ -36,27 +36,41 @@ def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         del sys.modules[name]
 
 
+THREAD = "it started a thread at import"
+
+
 def fired() -> str | None:
     flag = sys.modules.get("tr_flag")
-    return "it started a thread at import" if flag is not None and flag.FIRED else None
+    return THREAD if flag is not None and flag.FIRED else None
 
 
 def test_the_chain_and_what_imports_it_are_refused_not_what_leads_elsewhere(tree: None) -> None:
     with ImportTrace(fired) as trace:
         import tr_top  # noqa: F401
-    assert trace.why == "it started a thread at import"
-    assert trace.chain == ("tr_top", "tr_mid", "tr_cul", "tr_cul.core")
-    assert trace.culprit("tr_top") == "tr_cul.core"
+    assert trace.chain(THREAD) == ("tr_top", "tr_mid", "tr_cul", "tr_cul.core")
+    assert trace.culprit("tr_top", THREAD) == "tr_cul.core"
     # tr_other imported tr_cul.core after tr_mid had loaded it: it leads there too. A
     # package stands for its submodules (tr_cul.core goes with tr_cul).
-    assert trace.refused("tr_top") == ["tr_cul", "tr_mid", "tr_other", "tr_top"]
+    assert trace.refused("tr_top", THREAD) == ["tr_cul", "tr_mid", "tr_other", "tr_top"]
 
 
 def test_an_import_that_leads_to_no_hazard_has_no_chain(tree: None) -> None:
     with ImportTrace(fired) as trace:
         import tr_safe  # noqa: F401
-    assert trace.chain is None and trace.why is None
-    assert trace.refused("tr_safe") == ["tr_safe"]  # all there is to say of it
+    assert trace.chain(THREAD) is None
+    assert trace.refused("tr_safe", THREAD) == ["tr_safe"]  # all there is to say of it
+
+
+def test_a_hazard_that_went_away_again_is_not_the_one_blamed(tree: None, tmp_path: Path) -> None:
+    # tr_passing starts a thread and joins it; tr_late (loaded after) starts one for good.
+    (tmp_path / "tr_passing.py").write_text("import tr_flag\ntr_flag.FIRED.append(1)\n")
+    (tmp_path / "tr_calm.py").write_text("import tr_flag\ntr_flag.FIRED.clear()\n")
+    (tmp_path / "tr_late.py").write_text("import tr_flag\ntr_flag.FIRED.append(1)\n")
+    (tmp_path / "tr_both.py").write_text("import tr_passing, tr_calm, tr_safe, tr_late\n")
+    with ImportTrace(fired) as trace:
+        import tr_both  # noqa: F401
+    assert trace.chain(THREAD) == ("tr_both", "tr_late")
+    assert trace.refused("tr_both", THREAD) == ["tr_both", "tr_late"]
 
 
 def test_the_import_machinery_is_put_back(tree: None) -> None:
