@@ -16,7 +16,7 @@ THREAD_AT_IMPORT = (
     "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
 )
 
-# Records every replacement the driver's kernel side makes: (old pid, new pid).
+# Records every replacement the driver's kernel side makes: (old, new) HelperProcess.
 RECORD_REPLACEMENTS = """
 replacements = []
 _replacement = helper_module._replacement
