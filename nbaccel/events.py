@@ -236,8 +236,8 @@ class WorkerFailed:
 class ModulesImported:
     """The modules rank 0 imported while it ran, as (name, file) pairs (worker -> parent
     only): the parent picks the installed libraries among them for the helper to preload
-    before the next launch (``launcher.local.preload_choice``). Plain strings: nothing the
-    parent unpickles imports anything."""
+    before the next launch (``launcher.local.preloading.preload_choice``). Plain strings:
+    nothing the parent unpickles imports anything."""
 
     rank: int
     modules: tuple[tuple[str, str | None], ...]

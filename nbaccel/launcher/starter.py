@@ -1,9 +1,10 @@
 """What a ``Run`` needs from whatever starts its workers: the launcher interface.
 
-Three implementations: the helper process on this machine (``helper.HelperProcess``: a
-fork per rank, or one torch_xla supervisor for every rank) and one agent per host on
-several machines (``remote_hosts.RemoteHosts``). A new way to start workers is a new class
-with these methods; ``Run`` and its pump stay as they are. Stdlib only.
+Three implementations: the helper process on this machine
+(``helper_process.HelperProcess``: a fork per rank, or one torch_xla supervisor for every
+rank) and one agent per host on several machines (``remote_hosts.RemoteHosts``). A new way
+to start workers is a new class with these methods; ``Run`` and its pump stay as they are.
+Stdlib only.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ sys.path.insert(0, {site!r})
 os.environ["PYTHONPATH"] = {site!r}  # the helper, started below, inherits it
 import nbaccel
 from nbaccel.launcher.local import helper as helper_module
-from nbaccel.launcher.local.preload_choice import PreloadChoice
+from nbaccel.launcher.local.preloading.preload_choice import PreloadChoice
 
 helper_module.CHOICE = PreloadChoice(roots=[{site!r}])
 
@@ -51,10 +51,12 @@ def preloaded(timeout=60):
 """
 
 
-def drive(tmp_path: Path, body: str, timeout: float = 240) -> tuple[dict[str, object], str]:
+def drive(
+    tmp_path: Path, body: str, timeout: float = 240, stand_ins: dict[str, str] | None = None
+) -> tuple[dict[str, object], str]:
     site = tmp_path / "site-packages"
     site.mkdir(exist_ok=True)
-    for name, code in STAND_INS.items():
+    for name, code in {**STAND_INS, **(stand_ins or {})}.items():
         (site / name).write_text(code)
     head = DRIVER_HEAD.format(site=str(site), runs=str(tmp_path / "runs"))
     done = run_script(head + body, tmp_path, timeout=timeout)

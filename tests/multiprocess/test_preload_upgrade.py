@@ -141,7 +141,8 @@ old = preloaded("tinylib")
 install("2")
 new = helper_module.shared_helper()
 after = launch(version)
-tree = [new.pid] + [p.pid for p in psutil.Process(new.pid).children(recursive=True)]
+# Its own base, forked outside its tree (successor.fork_base), must go with it too.
+tree = [new.pid, new._base] + [p.pid for p in psutil.Process(new.pid).children(recursive=True)]
 print(json.dumps({"after": after, "forked": psutil.Process(new.pid).ppid() != os.getpid(),
                   "torch": "torch" in sys.modules, "tree": tree}), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

@@ -19,8 +19,8 @@ when idle, it imports the installed libraries the kernel asks it to preload (``p
 what the kernel and the last launch's workers imported), checking after each that it can
 still fork (``preload.import_checked``), then replaces its spares with ones that have them;
 a launch that comes while some are still to be imported waits for them (``warm_up``). It
-tells the kernel which installed files it loaded (``installed_files``), and before its first
-preload forks a *base* that becomes its successor if the kernel retires it (``successor``).
+tells the kernel which installed files it loaded (``installed_files``), and right after
+"ready" forks a *base* that becomes its successor if the kernel retires it (``successor``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from nbaccel.launcher.local.child_processes import (
     signal_group,
 )
 from nbaccel.launcher.local.exec_spare import start_exec_spare
-from nbaccel.launcher.local.installed_files import LoadedFiles
 from nbaccel.launcher.local.orphans import Orphans
-from nbaccel.launcher.local.preload import Preloader
+from nbaccel.launcher.local.preloading.installed_files import LoadedFiles
+from nbaccel.launcher.local.preloading.preload import Preloader
 from nbaccel.launcher.local.successor import (
     Become,
     ParentWatch,
@@ -80,9 +80,7 @@ class Helper(WarmUp):
         self.sock = sock
         self.parent = parent
         self.files = LoadedFiles() if files is None else files  # what it tells the kernel
-        self.base: tuple[int, socket.socket] | None = None
-        self.based = False
-        self.successor: int | None = None
+        self.base: tuple[int, socket.socket] | None = None  # until it succeeds us
         self.preloading = False
         self.workers: dict[int, tuple[str, int]] = {}  # pid -> (run id, rank)
         self.spares: list[tuple[int, socket.socket]] = []  # (pid, our end of its socket)
@@ -293,10 +291,8 @@ class Helper(WarmUp):
                 self.orphans.end_run(run_id, time.monotonic())
 
     def known_children(self) -> set[int]:
-        """Children that are not orphans: workers, spares, the base or our successor."""
-        ours = set(self.workers) | {pid for pid, _ in self.spares}
-        base = {self.base[0]} if self.base is not None else set()
-        return ours | base | ({self.successor} if self.successor is not None else set())
+        """Children that are not orphans: workers and spares (the base is no child of ours)."""
+        return set(self.workers) | {pid for pid, _ in self.spares}
 
     def close_in_child(self) -> None:
         """In a forked child: close what only the helper may hold (the kernel's socket, our
@@ -333,8 +329,8 @@ class Helper(WarmUp):
             pass  # the parent is gone; serve() notices and shuts down
 
     def shutdown(self) -> None:
-        """Kill every worker group and every remaining descendant (but our successor and
-        what it started), then reap them."""
+        """Kill every worker group and every remaining descendant, then reap them; our base
+        reads EOF and exits (our successor, if it became one, is no descendant of ours)."""
         for pid in list(self.workers):
             signal_group(pid, signal.SIGKILL)
         for pid, channel in self.spares:
@@ -342,7 +338,7 @@ class Helper(WarmUp):
             signal_group(pid, signal.SIGKILL)
         if self.base is not None:
             self.base[1].close()  # it reads EOF, and exits
-        kill_descendants(keep=self.successor)
+        kill_descendants()
 
 
 def _ids(message: dict[str, Any]) -> dict[str, Any]:
@@ -366,17 +362,19 @@ def main(argv: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises HelperError
         control.send(sock, {"op": "failed", "error": traceback.format_exc()})
         return 1
-    set_child_subreaper()
     return serve_as_helper(Helper(sock, ParentWatch(parent_pid, child=True), files))
 
 
 def serve_as_helper(helper: Helper) -> int:
-    """Say "ready", serve until the kernel goes, then end every worker: the helper's life."""
+    """Say "ready", fork the base (``successor``), become a child subreaper (after: the base
+    must not come back to us), serve until the kernel goes, then end every worker."""
     try:
         control.send(helper.sock, {"op": "ready", "pid": os.getpid(), "python": sys.version})
     except OSError:
         return 0  # the parent left while we imported (a kernel that exited before launching)
     try:
+        helper.fork_base()
+        set_child_subreaper()
         helper.serve()
     except BaseException:  # noqa: BLE001 - a bug here: the parent's HelperError shows it
         # Our stderr is /dev/null (a kernel has no terminal): the socket is the only way out.

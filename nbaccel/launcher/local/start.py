@@ -19,7 +19,12 @@ from nbaccel.context import ProcessContext
 from nbaccel.errors import ConfigError
 from nbaccel.hardware.devices import loopback_interface, usable_cpu_cores
 from nbaccel.hardware.xla_plan import xla_worker_env
-from nbaccel.launcher.local.helper import offer_libraries, shared_helper, take_notices
+from nbaccel.launcher.local.helper import (
+    held_helper,
+    offer_libraries,
+    shared_helper,
+    take_notices,
+)
 from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, write_config
@@ -45,7 +50,6 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
         offer_libraries(helper)  # for the next launch: the helper is busy with this one
         write_config(run_dir, resolved)
         run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
-        run.notices = take_notices() + ([payload.notice] if payload.notice else [])
         show(run, gpus)
         payload_file.write(payload.data)
         payload_file.flush()
@@ -62,15 +66,22 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
         # torch_xla's rank 0 serves its own store on MASTER_PORT: the port is released for it
         # when this block ends, just before its workers start (they take seconds to import).
         data_fds = payload.shared.fds if payload.shared is not None else []
+        # The helper again, held: the same one, or its replacement if it retired meanwhile
+        # (a library it preloaded was unsafe); one that retires from now on serves this run.
         try:
-            run.start(
-                helper,
-                requests,
-                payload_file.fileno(),
-                listener.fileno(),
-                data_fds,
-                result_boxes=result_boxes,
-            )
+            with held_helper() as held:
+                if held is not helper:
+                    held.preload_wanted = resolved.config.preload_libraries
+                    offer_libraries(held)
+                run.notices = take_notices() + ([payload.notice] if payload.notice else [])
+                run.start(
+                    held,
+                    requests,
+                    payload_file.fileno(),
+                    listener.fileno(),
+                    data_fds,
+                    result_boxes=result_boxes,
+                )
         finally:
             payload.close()  # every worker holds the segments now
     return run

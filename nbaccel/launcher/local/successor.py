@@ -3,17 +3,25 @@ preloaded anything the kernel or a worker asked for.
 
 A preloaded library can make a helper unusable: its files changed on disk (a ``pip install``
 in the notebook: ``installed_files``), or it made forking unsafe (``preload``). What the
-helper imported of its own accord (torch, nbaccel's worker code, ...) is still good then,
-and a fresh interpreter would spend seconds importing torch again (more with CUDA). So just
-before its first preload the helper forks a *base*: an idle child that holds that state and
-waits on a socket. To replace the helper, the kernel sends it ``succeed`` with one end of a
-new socket pair; the helper hands that end to its base, which becomes a helper of its own
-(``become_helper``): it leaves the old helper's session and parent-death signal, serves the
-kernel on the new socket and says "ready". The old helper stops forking, ends its runs in
-flight, and exits when the kernel closes it, leaving its successor's processes alone.
+helper imported of its own accord before "ready" (torch, nbaccel's worker code) is still
+good then, and a fresh interpreter would spend seconds importing torch again (more with
+CUDA). So right after "ready", before it serves anything, the helper forks a *base*: an
+idle process that holds that state and waits on a socket. To replace the helper, the kernel
+sends it ``succeed`` with one end of a new socket pair; the helper hands that end to its
+base, which becomes a helper of its own (``leave_old_helper``): in a session of its own, it
+serves the kernel on the new socket and says "ready". The old helper stops forking, ends its
+runs in flight, and exits when the kernel closes it.
+
+The base is no descendant of its helper: it is forked through a child that exits at once,
+before the helper becomes a child subreaper, so it goes to init (or to whatever subreaper is
+above the kernel). A helper adopts what its workers leave behind and kills every descendant
+when it exits (``kill_descendants``); a successor among them, or the successor's own
+successor (orphaned to the old helper once the one between them exited), was taken for an
+orphan and killed with the old helper's runs. Outside the tree, no helper can touch another,
+whichever outlives which. The base exits when its helper closes its socket or dies.
 
 If a file the base itself holds changed (torch upgraded), the kernel starts a fresh helper
-instead. The successor forks a base of its own before its first preload.
+instead. The successor forks a base of its own, the same way, when it says "ready".
 """
 
 from __future__ import annotations
@@ -26,7 +34,6 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.launcher import control
-from nbaccel.launcher.bootstrap.prctl import set_child_subreaper, set_parent_death_signal
 
 
 class ParentWatch:
@@ -71,79 +78,84 @@ Become = Callable[[dict[str, Any], list[int]], int]
 def fork_base(
     close_in_child: Callable[[], None], become: Become
 ) -> tuple[int, socket.socket] | None:
-    """Fork the base: (its pid, our end of its socket), or None if fork failed.
+    """Fork the base: (its pid, our end of its socket), or None if fork failed. Call it
+    before this process becomes a child subreaper (or the base would come back to it).
 
     ``close_in_child`` closes, in the base, what it must not hold: the kernel's socket (or
     the kernel would never see it close), spares' sockets, fds of requests waiting.
     The base runs ``become(message, fds)`` with what ``succeed`` sends it (the exit code it
-    returns ends it), or exits on EOF: its helper retired it or is gone.
+    returns ends it), or exits on EOF: its helper retired it or is gone (the socket's other
+    end is ours alone: every process we fork after closes it).
     """
     ours, theirs = control.socket_pair()
-    helper_pid = os.getpid()
     try:
-        pid = os.fork()
+        between = os.fork()
     except OSError:
         ours.close()
         theirs.close()
         return None
-    if pid == 0:  # the base; never returns
-        code = 0
+    if between == 0:  # exits at once, leaving the base to init; never returns
+        code = 1
         try:
             signal.set_wakeup_fd(-1)
             ours.close()
             close_in_child()
-            set_parent_death_signal(signal.SIGKILL)  # until it succeeds the helper
-            if os.getppid() == helper_pid:
-                message, fds = control.receive(theirs)
-                theirs.close()
-                if message is not None:
-                    code = become(message, fds)
+            base = os.fork()
+            if base == 0:
+                code = _serve_as_base(theirs, become)
+            else:
+                control.send(theirs, {"op": "base", "pid": base})
+                code = 0
         finally:
             os._exit(code)
     theirs.close()
-    return pid, ours
+    try:
+        os.waitpid(between, 0)
+        told, _ = control.receive(ours)
+    except OSError:
+        told = None
+    if told is None:  # the second fork failed: no base
+        ours.close()
+        return None
+    return int(told["pid"]), ours
+
+
+def _serve_as_base(theirs: socket.socket, become: Become) -> int:
+    """In the base: wait for ``succeed`` (or EOF), then become the helper it names."""
+    message, fds = control.receive(theirs)
+    theirs.close()
+    return become(message, fds) if message is not None else 0
 
 
 def leave_old_helper(message: dict[str, Any], fds: list[int]) -> tuple[socket.socket, ParentWatch]:
-    """In the base, told to succeed: outlive the old helper, in a session of our own, as
-    subreaper of what we start; the kernel's new socket and a watch on the kernel."""
-    set_parent_death_signal(0)
+    """In the base, told to succeed: in a session of our own, the kernel's new socket and a
+    watch on the kernel (``serve_as_helper`` makes it a subreaper once its base is forked)."""
     os.setsid()
-    set_child_subreaper()
     sock = socket.socket(fileno=fds[0])
     for fd in fds[1:]:
         os.close(fd)
     return sock, ParentWatch(int(message["parent_pid"]), child=False)
 
 
-def kill_descendants(keep: int | None) -> None:
-    """Kill and reap every process under this one except ``keep`` and what runs under it
-    (the successor, which outlives us). Ours are listed before the successor's: a process
-    the successor forks meanwhile is never taken for ours."""
+def kill_descendants() -> None:
+    """Kill and reap every process under this one: workers, spares, what they left (no
+    successor is among them: ``fork_base``)."""
     import psutil
 
     me = psutil.Process()
-    kept: set[int] = set()
     try:
         found = me.children(recursive=True)
     except psutil.Error:
         found = []
-    if keep is not None:
-        kept.add(keep)
-        try:
-            kept |= {p.pid for p in psutil.Process(keep).children(recursive=True)}
-        except psutil.Error:
-            pass  # it is gone: nothing of it to spare
     for process in found:
-        if process.pid not in kept:
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     while True:  # our children now: the killed, and orphans that came back to us
         try:
-            children = [p for p in me.children() if p.pid != keep]
+            children = me.children()
         except psutil.Error:
             children = []
         if not children:
@@ -154,9 +166,8 @@ def kill_descendants(keep: int | None) -> None:
                 os.waitpid(child.pid, 0)
             except (psutil.Error, ChildProcessError):
                 pass
-    if keep is None:
-        while True:
-            try:
-                os.wait()
-            except ChildProcessError:
-                break
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            break

@@ -9,8 +9,8 @@ for them instead (``preload_first``): its workers would import them themselves o
 no faster on a loaded machine, and every later launch would start the same way.
 
 After each import the helper tells the kernel which installed files it now holds
-(``installed_files``); before its first preload it forks its *base*, from which a successor
-is made when the kernel retires it (``successor``, ``hand_over``).
+(``installed_files``); the *base* it forked after "ready" becomes its successor when the
+kernel retires it (``successor``, ``hand_over``).
 
 ``WarmUp`` is the helper's (``helper_main.Helper``) part that does this; it names what it
 uses of the rest of the helper below.
@@ -33,8 +33,8 @@ from nbaccel.launcher.local.child_processes import (
     signal_group,
     xla_machine,
 )
-from nbaccel.launcher.local.installed_files import LoadedFiles
-from nbaccel.launcher.local.preload import Preloader, sockets_of
+from nbaccel.launcher.local.preloading.installed_files import LoadedFiles
+from nbaccel.launcher.local.preloading.preload import Preloader, sockets_of
 from nbaccel.launcher.local.successor import Become, ParentWatch, fork_base
 
 # Imported once the helper is idle (right after "ready" when nothing is asked), so forked
@@ -67,8 +67,6 @@ class WarmUp:
     parent: ParentWatch
     files: LoadedFiles
     base: tuple[int, socket.socket] | None  # the base, until it succeeds us
-    based: bool  # a base was forked (once per helper)
-    successor: int | None  # the pid of the base that succeeded us
     preloading: bool  # libraries asked for are being imported: launches wait
     spares: list[tuple[int, socket.socket]]
     stale: set[int]
@@ -161,8 +159,6 @@ class WarmUp:
         serving the launches that waited (spares forked before retire once idle)."""
         if self.preloader.unsafe is not None:
             return  # forking is over, and so is preloading
-        if self.preloader.wanted and not self.based:
-            self.fork_base()
         loaded = len(sys.modules)
         self.preloading = True
         try:
@@ -192,8 +188,7 @@ class WarmUp:
             self.reply({"op": "loaded", "files": found})
 
     def fork_base(self) -> None:
-        """Fork the base, once, before the first preload: what a successor starts from."""
-        self.based = True
+        """Fork the base, once, right after "ready": what a successor starts from."""
         self.tell_loaded()  # the kernel learns the base's files before it learns of the base
         self.base = fork_base(self.close_in_child, self.become())
         if self.base is not None:
@@ -207,7 +202,6 @@ class WarmUp:
         try:
             if base is not None:
                 control.send(base[1], {**message, "spares": self.wanted_spares}, fds)
-                self.successor = base[0]
         except OSError:
             pass  # the base died: the kernel sees its socket close and starts a fresh helper
         finally:

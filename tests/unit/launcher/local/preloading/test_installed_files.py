@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.launcher.local import installed_files
-from nbaccel.launcher.local.installed_files import InstalledCheck, LoadedFiles
+from nbaccel.launcher.local.preloading import installed_files
+from nbaccel.launcher.local.preloading.installed_files import InstalledCheck, LoadedFiles
 
 
 @pytest.fixture

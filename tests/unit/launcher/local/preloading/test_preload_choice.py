@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nbaccel.launcher.local.preload_choice import PreloadChoice, editable_packages, site_roots
+from nbaccel.launcher.local.preloading.preload_choice import (
+    PreloadChoice,
+    editable_packages,
+    site_roots,
+)
 
 ROOT = "/venv/lib/python3.11/site-packages"
 

@@ -34,7 +34,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-from nbaccel.launcher.local.preload_choice import site_roots
+from nbaccel.launcher.local.preloading.preload_choice import site_roots
 
 # What identifies a file's content without reading it: a replaced file has a new inode, a
 # rewritten one a new size or modification time.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nbaccel.launcher.local.preload import Hazards, import_checked, sockets_of
+from nbaccel.launcher.local.preloading.preload import Hazards, import_checked, sockets_of
 
 
 @pytest.fixture

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nbaccel.launcher.local.preloading.import_trace import ImportTrace
+
 # Signals a module cannot catch; SIGALRM and SIGIO serve the kernel during imports
 # (between_bytecodes.serving_while) and are the helper's own while it imports.
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP, signal.SIGALRM, signal.SIGIO}
@@ -64,6 +66,17 @@ class Hazards:
         )
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What importing a library did to the helper: ``why`` it may no longer fork (None:
+    it may); where it may not, the modules to ``refuse`` (``import_trace``) and the
+    ``culprit``, the innermost of them, whose code ran when the hazard appeared."""
+
+    why: str | None
+    refuse: tuple[str, ...] = ()
+    culprit: str = ""
+
+
 def import_checked(
     name: str, before: Hazards, held: Callable[[], frozenset[str]] = frozenset
 ) -> str | None:
@@ -76,9 +89,19 @@ def import_checked(
     fails); a changed signal handler is undone here (see ``undo_handlers``) and reported
     with the prefix ``"handlers: "``.
     """
+    return import_traced(name, before, held).why
+
+
+def import_traced(
+    name: str, before: Hazards, held: Callable[[], frozenset[str]] = frozenset
+) -> Verdict:
+    """``import_checked``, watched (``import_trace``): where the import is unsafe, which
+    of the modules it loaded to refuse so that the next helper does not meet it again."""
     env, path, folder = dict(os.environ), list(sys.path), os.getcwd()
+    trace = ImportTrace(_Probe(before, held))
     try:
-        __import__(name)
+        with trace:
+            __import__(name)
     except Exception:  # noqa: BLE001 - workers import it themselves and report errors
         pass
     finally:
@@ -88,18 +111,55 @@ def import_checked(
         if os.getcwd() != folder:
             os.chdir(folder)
     after = Hazards.now()
+    why = unsafe_change(before, after, held)
+    if why is not None:
+        return Verdict(why, tuple(trace.refused(name, why)), trace.culprit(name, why))
+    if after.handlers != before.handlers:
+        undo_handlers(before)
+        return Verdict("handlers: it installed a signal handler at import")
+    return Verdict(None)
+
+
+def unsafe_change(
+    before: Hazards, after: Hazards, held: Callable[[], frozenset[str]] = frozenset
+) -> str | None:
+    """Why the helper may no longer fork, holding ``after`` where it held ``before``."""
     if after.python_threads > before.python_threads or after.native_threads > before.native_threads:
         return "it started a thread at import"
-    if after.sockets - before.sockets - held():
+    opened = after.sockets - before.sockets
+    if opened and opened - held():
         return "it opened a socket at import"
     if after.cuda and not before.cuda:
         return "it initialised CUDA at import"
     if after.xla and not before.xla:
         return "it initialised the XLA runtime at import"
-    if after.handlers != before.handlers:
-        undo_handlers(before)
-        return "handlers: it installed a signal handler at import"
     return None
+
+
+class _Probe:
+    """``unsafe_change`` since ``before``, cheap enough to ask at every module an import
+    loads (``import_trace``): the sockets are read again only when the count of open fds
+    changed, the signal handlers not at all (they are undone, never unsafe)."""
+
+    def __init__(self, before: Hazards, held: Callable[[], frozenset[str]]) -> None:
+        self._before = before
+        self._held = held
+        self._fds = -1
+        self._sockets = before.sockets
+
+    def __call__(self) -> str | None:
+        fds = _open_fds()
+        if fds != self._fds:
+            self._fds, self._sockets = fds, _sockets()
+        now = Hazards(
+            python_threads=threading.active_count(),
+            native_threads=_native_threads(),
+            sockets=self._sockets,
+            handlers=self._before.handlers,
+            cuda=_cuda_initialised(),
+            xla=_xla_initialised(),
+        )
+        return unsafe_change(self._before, now, self._held)
 
 
 def undo_handlers(before: Hazards) -> None:
@@ -114,6 +174,13 @@ def forget(name: str) -> None:
     are undone; workers import it afresh)."""
     for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[loaded]
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
 
 
 def _native_threads() -> int:
@@ -219,13 +286,23 @@ class Preloader:
                 self.pending.clear()
                 break
             begin()
-            why = import_checked(name, Hazards.now(), held)
+            verdict = import_traced(name, Hazards.now(), held)
+            why = verdict.why
             if why is not None and why.startswith("handlers: "):
                 forget(name)  # its handlers are undone; workers import it afresh
                 reply({"op": "preload_refused", "module": name, "why": why[10:]})
             elif why is not None:
-                self.unsafe = f"preloading {name}: {why}"
-                reply({"op": "preload_refused", "module": name, "why": why, "unsafe": True})
+                self.unsafe = f"preloading {name}: {verdict.culprit} {why.removeprefix('it ')}"
+                reply(
+                    {
+                        "op": "preload_refused",
+                        "module": name,
+                        "why": why,
+                        "unsafe": True,
+                        "refused": list(verdict.refuse),
+                        "culprit": verdict.culprit,
+                    }
+                )
                 return
             between()
         rss = process.memory_info().rss
