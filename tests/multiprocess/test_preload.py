@@ -296,3 +296,36 @@ print(json.dumps({"exec": "nbaccel.launcher.local.exec_spare" in cmdline, "alive
     )
     assert result["exec"] is True and result["alive"] is True
     assert result["code"] == 0
+
+
+def test_pyarrow_pandas_and_datasets_are_preloaded_without_their_jemalloc_thread(
+    tmp_path: Path,
+) -> None:
+    # pyarrow's jemalloc starts a background thread at load, which made the helper refuse
+    # it (and pandas and datasets, which import it): every launch of a data notebook paid
+    # their imports. The helper runs jemalloc without that thread (JE_ARROW_MALLOC_CONF).
+    script = """
+import json, sys
+import pyarrow, pandas, datasets, nbaccel
+from nbaccel.launcher.local import helper as helper_module
+
+def found():
+    import os, sys
+    threads = sorted(open(f"/proc/self/task/{t}/comm").read().strip()
+                     for t in os.listdir("/proc/self/task"))
+    return [m for m in ("pyarrow", "pandas", "datasets") if m in sys.modules], threads
+
+runs = {"runs_dir": "runs", "dashboard": False, "num_processes": 1}
+nbaccel.notebook_launcher(found, **runs)
+helper = helper_module.shared_helper()
+helper.wait_preloaded(120)
+libraries, threads = nbaccel.notebook_launcher(found, **runs)
+print(json.dumps({"libraries": libraries, "threads": threads,
+                  "notices": helper_module.take_notices()}))
+"""
+    done = run_script(script, tmp_path, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["libraries"] == ["pyarrow", "pandas", "datasets"]  # preloaded, all three
+    assert not any("pyarrow" in notice for notice in result["notices"]), result["notices"]
+    assert "jemalloc_bg_thd" not in result["threads"]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from nbaccel.launcher import control
 
+ARROW_JEMALLOC_VAR = "JE_ARROW_MALLOC_CONF"  # pyarrow's bundled jemalloc reads its options here
+
 
 class Adopted:
     """The process of a successor helper, with ``subprocess.Popen``'s names: the old helper
@@ -84,6 +86,12 @@ def start(env: Mapping[str, str]) -> tuple[socket.socket, subprocess.Popen[bytes
     helper_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (package_root, env.get("PYTHONPATH", "")) if p
     )
+    # pyarrow's jemalloc starts a background thread when it loads, which makes a process
+    # unsafe to fork from: pyarrow, and pandas and datasets that import it, could never be
+    # preloaded, and every launch of a notebook that uses them paid their imports (0.3-1 s
+    # a worker). Without that thread jemalloc purges freed pages as it allocates instead
+    # (the workers, forked from the helper, inherit this). A value the user set is kept.
+    helper_env.setdefault(ARROW_JEMALLOC_VAR, "background_thread:false")
     # No parent-death signal for the helper: the kernel may start it from a short-lived
     # thread (the prewarm), and PR_SET_PDEATHSIG fires when that *thread* ends. The helper
     # watches the kernel's pid and its socket instead.
