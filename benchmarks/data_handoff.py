@@ -76,22 +76,20 @@ def _make(kind):
         return pd.DataFrame(columns)
     return datasets.Dataset.from_dict(columns)
 
-def _total(value):
-    if isinstance(value, np.ndarray):
-        return float(value.sum())
-    if isinstance(value, pd.DataFrame):
-        return float(value.to_numpy(copy=False).sum())
-    if value is None:
-        return 0.0
+# One function per kind, as a notebook has: each uses its own library only (a function that
+# named pandas would make a numpy launch import pandas in every worker).
+def _sum_numpy(value):
+    return float(value.sum())
+
+def _sum_pandas(value):
+    return float(value.to_numpy(copy=False).sum())
+
+def _sum_dataset(value):
     table = value.data.table
     return float(sum(pc.sum(table.column(name)).as_py() for name in table.column_names))
 
-def _use(kind):
+def _report(kind, total):
     import psutil, torch.distributed as dist
-    own = not dist.is_initialized()  # nbaccel's ranks get the group ready-made
-    if own:
-        dist.init_process_group("gloo")
-    total = _total(data if kind != "none" else None)
     rank = dist.get_rank()
     # Once every rank has read it all: a shared page one rank alone has touched so far
     # counts in its USS (mapped once), whatever it costs the machine.
@@ -99,14 +97,32 @@ def _use(kind):
     with open(os.path.join(_out, f"{{kind}}-{{rank}}.json"), "w") as file:
         json.dump({{"uss": psutil.Process().memory_full_info().uss, "total": total}}, file)
     dist.barrier()
+
+def _group():
+    import torch.distributed as dist
+    own = not dist.is_initialized()  # nbaccel's ranks get the group ready-made
+    if own:
+        dist.init_process_group("gloo")
+    return own
+
+def _leave(own):
+    import torch.distributed as dist
     if own:
         dist.destroy_process_group()
 
 def use_none():
-    _use("none")
+    own = _group(); _report("none", 0.0); _leave(own)
 
-def use_data():
-    _use(_kind)
+def use_numpy():
+    own = _group(); _report("numpy", _sum_numpy(data)); _leave(own)
+
+def use_pandas():
+    own = _group(); _report("pandas", _sum_pandas(data)); _leave(own)
+
+def use_dataset():
+    own = _group(); _report("dataset", _sum_dataset(data)); _leave(own)
+
+_SUMS = {{"numpy": _sum_numpy, "pandas": _sum_pandas, "dataset": _sum_dataset}}
 
 def _ranks(kind):
     found = []
@@ -178,9 +194,9 @@ def launches(kernel: Kernel, way: str, warm: int) -> dict[str, Any]:
     found["no data"] = [timed_launch(kernel, way, "use_none") for _ in range(warm)]
     base = kernel.cell("", ranks="_ranks('none')")["ranks"]
     for kind in KINDS:
-        kernel.cell(f"_kind = {kind!r}\ndata = _make(_kind)\n_expect = _total(data)")
-        first = timed_launch(kernel, way, "use_data")
-        rest = [timed_launch(kernel, way, "use_data") for _ in range(warm)]
+        kernel.cell(f"_kind = {kind!r}\ndata = _make(_kind)\n_expect = _SUMS[_kind](data)")
+        first = timed_launch(kernel, way, f"use_{kind}")
+        rest = [timed_launch(kernel, way, f"use_{kind}") for _ in range(warm)]
         ranks = kernel.cell("", ranks="_ranks(_kind)", expect="_expect")
         assert all(r["total"] == ranks["expect"] for r in ranks["ranks"]), ranks
         private = [r["uss"] - b["uss"] for r, b in zip(ranks["ranks"], base, strict=True)]
