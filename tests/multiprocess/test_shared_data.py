@@ -404,3 +404,24 @@ def test_the_run_folder_keeps_a_plain_pickle_of_a_shared_value(runs_dir: str) ->
     assert {name: checksum(v) for name, v in kept.items()} == {
         name: checksum(v) for name, v in value.items()
     }
+
+
+def column_sum(table: Any) -> float:
+    return checksum(table)
+
+
+def test_arrow_data_is_kept_while_launches_send_it_and_goes_when_they_stop(runs_dir: str) -> None:
+    # pyarrow hands out a new buffer object with each pickle, over memory the table owns:
+    # no weak reference can tell when the table goes, so its segment stays while launches
+    # keep sending it (compared, not copied) and goes at the first launch that does not.
+    import pyarrow as pa
+
+    table = pa.table({"a": np.arange(1 << 20, dtype="f8")})  # 8 MiB
+    launch = dict(num_processes=1, runs_dir=runs_dir)
+    assert nbaccel.notebook_launcher(column_sum, args=(table,), **launch) == checksum(table)
+    written = CACHE.bytes_written
+    assert nbaccel.notebook_launcher(column_sum, args=(table,), **launch) == checksum(table)
+    assert CACHE.bytes_written == written  # the second launch copied nothing
+    assert CACHE.size >= 8 * MIB
+    nbaccel.notebook_launcher(first_and_sum, args=(np.ones(2 * MIB, "f4"),), **launch)
+    assert CACHE.size < 10 * MIB  # the table's segment went; the new array's is there

@@ -5,11 +5,14 @@ kept out. Each buffer is looked up by where it lies in this process and its leng
 counts only if the bytes are still the same (libc's ``memcmp`` against the segment: ~0.05-0.1
 s per GiB here), so an array changed in place between two launches is written again, and
 an unchanged one costs a comparison instead of a copy. The buffers not found go into one new
-segment. Entries go when their array is garbage-collected (a weak reference, where the
-owner takes one), and the least recently used go when the segments kept would pass the
-launch's limit (``shared_memory_limit_gb``; by default half of the machine's memory). Data
-larger than the limit is not shared at all: ``place`` says why, and the caller sends it
-inside the pickle, as before.
+segment. Entries go when their array is garbage-collected (a weak reference to the numpy
+array, tensor... that handed the buffer out); where that object lives only as long as one
+pickle (pyarrow makes a buffer object for each, over memory the table owns) the entry stays
+as long as launches keep sending its data, and goes at the first that does not. The least
+recently used go when the segments kept would pass the launch's limit
+(``shared_memory_limit_gb``; by default half of the machine's memory). Data larger than the
+limit is not shared at all: ``place`` says why, and the caller sends it inside the pickle,
+as before.
 
 Closing a segment here never takes data from a run: each rank mapped it, and the mapping
 keeps the pages. This is a resource cache, like the helper process: it holds no settings.
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,8 +38,8 @@ class _Entry:
     segment: Segment
     offset: int
     length: int
-    owner: weakref.ref[object] | None
-    used: float = 0.0
+    owner: weakref.ref[object] | None  # None: the object that handed out the buffer is gone
+    used: int = 0  # the last placement that used it
 
 
 @dataclass
@@ -82,6 +84,8 @@ class SegmentCache:
         self._lock = threading.RLock()  # an owner's weakref callback may run inside place()
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._segments: dict[int, Segment] = {}  # by id(): every segment an entry uses
+        self._placements = 0  # placements made so far: an entry's ``used`` is one of them
+        self._packing = False  # within ``pack``: owners that die now were temporaries
         self.bytes_written = 0  # copied into segments so far (what a hit saves)
 
     @property
@@ -101,7 +105,8 @@ class SegmentCache:
                 "through the pipe, a copy per rank; raise shared_memory_limit_gb to share them"
             )
         with self._lock:
-            now = time.monotonic()
+            self._placements += 1
+            now = self._placements
             found: list[tuple[Segment, int] | None] = []
             keys = []
             for buffer in buffers:
@@ -133,6 +138,7 @@ class SegmentCache:
                     found[index] = (segment, offset)
                     self._remember(keys[index], buffers[index], segment, offset, now)
             used = {id(hit[0]) for hit in found if hit is not None}
+            self._drop_orphans(now)
             self._evict(limit, keep=used)
             order: dict[int, int] = {}
             fds: list[int] = []
@@ -154,23 +160,62 @@ class SegmentCache:
         for segment in segments:
             segment.close()
 
+    def pack(
+        self, obj: Any, dumps: Dumps, limit: int
+    ) -> tuple[Packed, Placement | None, str | None]:
+        """``obj`` packed for this machine's ranks: its large buffers placed here (``limit``:
+        the launch's ``shared_memory_limit_gb`` in bytes; 0 turns sharing off), or inside the
+        pickle, with the reason when sharing was refused (a notice for the user)."""
+        with self._lock:
+            self._packing = True
+            try:
+                kept = split(obj, dumps)
+                if not kept.buffers:
+                    return Packed(kept.data), None, None
+                if limit <= 0:
+                    return Packed(dumps(obj, None)), None, None
+                try:
+                    placement = self.place(kept.buffers, limit)
+                except Refused as why:
+                    return Packed(dumps(obj, None)), None, str(why)
+                packed = Packed(kept.data, kept.refs(placement.refs))
+                del kept  # buffer objects made for this pickle go now (see _forget)
+                return packed, placement, None
+            finally:
+                self._packing = False
+
     def _remember(
-        self, key: tuple[int, int], buffer: memoryview, segment: Segment, offset: int, now: float
+        self, key: tuple[int, int], buffer: memoryview, segment: Segment, offset: int, now: int
     ) -> None:
         old = self._entries.pop(key, None)
         owner: weakref.ref[object] | None = None
         try:
             owner = weakref.ref(buffer.obj, lambda _: self._forget(key, owner))
         except TypeError:
-            pass  # bytes-like owners without weak references: the limit evicts them
+            pass  # an owner without weak references: kept while launches use it
         self._entries[key] = _Entry(segment, offset, buffer.nbytes, owner, now)
         if old is not None:
             self._close_unused(old.segment)
 
     def _forget(self, key: tuple[int, int], owner: weakref.ref[object] | None) -> None:
+        """The object that handed out an entry's buffer is gone. A numpy array is the
+        user's: gone, its segment goes. An Arrow buffer object is made for each pickle and
+        dies with it (``pack``): the entry is kept while launches use it (``_drop_orphans``)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.owner is owner:
+            if entry is None or entry.owner is not owner:
+                return
+            if self._packing and entry.used == self._placements:
+                entry.owner = None
+            else:
+                del self._entries[key]
+                self._close_unused(entry.segment)
+
+    def _drop_orphans(self, now: int) -> None:
+        """Entries without an owner that this placement did not use: what a launch no longer
+        sends goes (nothing else can say that their data is gone)."""
+        for key, entry in list(self._entries.items()):
+            if entry.owner is None and entry.used < now:
                 del self._entries[key]
                 self._close_unused(entry.segment)
 
@@ -216,16 +261,5 @@ CACHE = SegmentCache()
 
 
 def pack_shared(obj: Any, dumps: Dumps, limit: int) -> tuple[Packed, Placement | None, str | None]:
-    """``obj`` packed for this machine's ranks: its large buffers placed in ``CACHE``
-    (``limit``: the launch's ``shared_memory_limit_gb`` in bytes; 0 turns sharing off), or
-    inside the pickle, with the reason when sharing was refused (a notice for the user)."""
-    kept = split(obj, dumps)
-    if not kept.buffers:
-        return Packed(kept.data), None, None
-    if limit <= 0:
-        return Packed(dumps(obj, None)), None, None
-    try:
-        placement = CACHE.place(kept.buffers, limit)
-    except Refused as why:
-        return Packed(dumps(obj, None)), None, str(why)
-    return Packed(kept.data, kept.refs(placement.refs)), placement, None
+    """``CACHE.pack``: ``obj`` packed for this machine's ranks (see ``SegmentCache.pack``)."""
+    return CACHE.pack(obj, dumps, limit)
