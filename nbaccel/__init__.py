@@ -19,6 +19,7 @@ from nbaccel import lazy_names as _lazy_names
 from nbaccel.errors import (
     CollectiveTimeout,
     ConfigError,
+    DebuggerQuit,
     HelperError,
     RemoteTraceback,
     RunCancelled,
@@ -153,6 +154,7 @@ __all__ = [
     "ConfigPanel",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
+    "DebuggerQuit",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",
