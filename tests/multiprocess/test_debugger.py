@@ -185,7 +185,7 @@ def test_stacks_of_a_running_launch_name_the_function_and_the_collective(
         assert stacks[0].splitlines()[0].startswith("rank 0: in wait_in_all_reduce (")
         assert "Thread MainThread (main):" in stacks[0]
         assert stacks[1].startswith("rank 1: in wait_in_all_reduce (")
-        assert "time.sleep(0.01)" in stacks[1]
+        assert ", in wait_in_all_reduce\n" in stacks[1]  # its frame, in its stack
         assert run.state is nbaccel.RunState.RUNNING  # nothing was stopped
     finally:
         flag.touch()
