@@ -44,7 +44,6 @@ from nbaccel.events import (
     Metric,
     ModelPrepared,
     ModulesImported,
-    Notice,
     OutputMark,
     Rank0Value,
     RankExited,
@@ -271,9 +270,7 @@ class RunPump(StallReports, RestartsSeen):
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]
-        if op == "notice":
-            self._emit(Notice(message["text"], time.time()))
-        elif op in ("stall", "watch_stalls"):
+        if op in ("stall", "watch_stalls", "notice"):
             self._on_stall_message(message)
         elif op == "stop":
             self._arbiter.cancel(time.monotonic())
@@ -349,6 +346,7 @@ class RunPump(StallReports, RestartsSeen):
                 host=self._helper.host_of(culprit.rank) if self._helper is not None else None,
                 restarts=self._attempts.restarts_used(),
             )
+            self._note_debugged(self._error, stuck)  # a stuck rank that was in pdb
             state = RunState.FAILED
         elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks.values()):
             state = RunState.CANCELLED

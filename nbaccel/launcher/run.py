@@ -209,7 +209,10 @@ class Run(RunPump):
             self._debug,
             live,
             host_of=self.host_of,
-            signal_ranks=lambda signum, ranks: self.signal_workers(signum, ranks),
+            # torch_xla's ranks share their supervisor's process group: all or none.
+            signal_ranks=lambda signum, ranks: self.signal_workers(
+                signum, None if self._xla is not None else ranks
+            ),
             log_path=lambda rank: self.run_dir / f"rank{rank}.log",
             timeout=timeout,
         )

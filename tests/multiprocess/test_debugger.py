@@ -279,3 +279,26 @@ def test_interactive_workers_post_mortem_then_answer_and_breakpoints_in_a_cell(
         with pytest.raises(ValueError, match="has raised nothing since the workers started"):
             workers.debug(rank=0)  # rank 0 never raised
         assert workers.pull("rank") == {0: 0, 1: 1}
+
+
+def test_a_peer_that_times_out_while_a_rank_is_in_pdb_says_why_and_the_fix(
+    runs_dir: str,
+) -> None:
+    run = nbaccel.launch(
+        stop_on_rank_1, args=(1,), num_processes=2, runs_dir=runs_dir, collective_timeout=2.0
+    )
+    typist = Typist(run, [])
+
+    def look_until_the_run_ends(prompt: str) -> str:
+        typist.prompts.append(prompt)
+        run._done.wait(60)  # the user looks at rank 1 longer than collective_timeout
+        return "c"
+
+    typist._prompt = look_until_the_run_ends  # type: ignore[method-assign]
+    run._console._prompt = look_until_the_run_ends  # type: ignore[union-attr]
+    with pytest.raises(nbaccel.CollectiveTimeout) as raised:
+        run.result(timeout=120)
+    assert raised.value.stuck_ranks == (1,)
+    assert "rank(s) 1 were stopped in the debugger" in str(raised.value)
+    assert "raise collective_timeout" in str(raised.value)
+    assert "--- rank 1 has ended ---" in typist.text

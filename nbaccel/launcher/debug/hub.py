@@ -89,6 +89,7 @@ class DebugHub:
         self._ids = itertools.count(1)
         self._said_skip = False
         self.debugging: set[int] = set()  # ranks stopped in a debugger now
+        self.died_in_debugger: set[int] = set()  # ranks whose worker ended while stopped
         self.ending = False  # q was typed on a rank: no more sessions, the run ends
         self._serving = threading.Lock()  # held by the thread that serves stops
         self._closed = False
@@ -337,6 +338,8 @@ class DebugHub:
         with self._lock:
             sock = self._socks.pop(rank, None)
             self._stops = [s for s in self._stops if s.rank != rank]
+            if rank in self.debugging:
+                self.died_in_debugger.add(rank)
             self.debugging.discard(rank)
             for request in self._requests.values():
                 request.ranks.discard(rank)

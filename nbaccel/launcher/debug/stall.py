@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.events import Event, StallWarning
+from nbaccel.errors import CollectiveTimeout
+from nbaccel.events import Event, Notice, StallWarning
 from nbaccel.launcher.debug.hub import DebugHub
 from nbaccel.launcher.debug.stacks import describe
 
@@ -94,6 +95,9 @@ class StallReports:
         hub.request_stacks(live, STALL_STACKS_TIMEOUT, answered)
 
     def _on_stall_message(self, message: dict[str, Any]) -> None:
+        if message["op"] == "notice":
+            self._emit(Notice(message["text"], time.time()))
+            return
         if message["op"] == "watch_stalls":  # interactive workers: only while a call runs
             self._stall.seconds = message["seconds"]
             self._stall.activity(time.monotonic())
@@ -111,3 +115,18 @@ class StallReports:
         waits = {rank: answers.get(rank, {}).get("waits_in") for rank in asked}
         self._record({"event": "stall", "seconds": seconds, "waits_in": waits})
         self._emit(StallWarning(seconds, stacks, waits, time.time()))
+
+    def _note_debugged(self, error: BaseException | None, stuck: list[int]) -> None:
+        """A collective timed out while a stuck rank was in pdb: torch's timeout kept
+        running (docs/debugging.md), and the error says so with the fix."""
+        hub = self._debug
+        debugged = sorted(set(stuck) & hub.died_in_debugger) if hub is not None else []
+        if isinstance(error, CollectiveTimeout) and debugged and error.args:
+            ranks = ", ".join(map(str, debugged))
+            error.args = (
+                f"{error.args[0]}\n[nbaccel] rank(s) {ranks} were stopped in the debugger: "
+                "torch cannot pause a collective's timeout, so the ranks waiting for them timed "
+                "out. For longer debugging sessions raise collective_timeout (seconds) in the "
+                "launch.",
+                *error.args[1:],
+            )
