@@ -11,8 +11,9 @@ What is measured
   again): the line to the rank, pdb's command, its output and the prompt back.
 * **stacks of 8 ranks**: ``run.stacks()`` of a launch of 8 CPU ranks, 7 of them waiting in a
   barrier for the 8th (which sleeps in a loop): every rank's channel answers, nothing stops.
-* **step rate**: a run that never stops. ``step_overhead.py``'s raw DDP loop (its MLP, AdamW,
-  batch 32, 2 ranks) timed on rank 0, in launches of three arms taken in rounds (order
+* **step rate**: a run that never stops. ``step_overhead.py``'s raw DDP loop (its MLP,
+  AdamW, batch 32, 2 ranks) timed on rank 0 in blocks of 25 steps between barriers (a
+  launch's rate: the median block), in launches of three arms taken in rounds (order
   rotated): **on** (as every launch is: the channel's thread parked in ``recv``, the
   breakpoint hook installed), **off** (the worker closes its channel and puts Python's own
   hook back before the loop), and **on again** (a null test: two identical arms, whose
@@ -25,7 +26,7 @@ shared 2-core machine the figures move with it.
 
 Usage::
 
-    python benchmarks/debugger.py               # 10 repetitions, 8 step-rate rounds, ~2 min
+    python benchmarks/debugger.py               # 10 repetitions, 12 step-rate rounds, ~3 min
     python benchmarks/debugger.py --quick       # smoke run, < 40 s
 """
 
@@ -46,6 +47,7 @@ from step_overhead import Interval
 GOALS = {"prompt": 0.5, "round trip": 0.050, "stacks of 8 ranks": 1.0}
 COMMANDS = 50  # p 1, typed this many times per repetition
 STEP_ARMS = ("on", "off", "on again")
+BLOCK = 25  # steps per timed block of a step-rate launch
 
 
 # --------------------------------------------------------------------------- worker side
@@ -78,6 +80,7 @@ def wait_for_rank_0(flag: str) -> int:
 
 def step_rate(arm: str, steps: int, warmup: int, hidden: int) -> float:
     """Rank 0's steps/s of step_overhead's raw DDP loop, with the channel on or off."""
+    import statistics
     import sys
     import time
 
@@ -95,12 +98,15 @@ def step_rate(arm: str, steps: int, warmup: int, hidden: int) -> float:
     step, batches, _info, _timer = make_variant("raw DDP", data, hidden)
     for index in range(warmup):
         step(*next(batches), index)
-    dist.barrier()
-    started = time.perf_counter()
-    for index in range(steps):
-        step(*next(batches), warmup + index)
-    dist.barrier()
-    return steps / (time.perf_counter() - started)
+    rates = []  # per block of BLOCK steps: a hiccup of the machine moves one block, not all
+    for block in range(steps // BLOCK):
+        dist.barrier()
+        started = time.perf_counter()
+        for index in range(BLOCK):
+            step(*next(batches), warmup + block * BLOCK + index)
+        dist.barrier()
+        rates.append(BLOCK / (time.perf_counter() - started))
+    return statistics.median(rates)
 
 
 # --------------------------------------------------------------------------- kernel side
@@ -225,13 +231,13 @@ def report(args: argparse.Namespace) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, help="launches with a breakpoint (10)")
-    parser.add_argument("--rounds", type=int, help="rounds of the step-rate arms (8)")
+    parser.add_argument("--rounds", type=int, help="rounds of the step-rate arms (12)")
     parser.add_argument("--steps", type=int, help="timed steps per step-rate launch (300)")
     parser.add_argument("--hidden", type=int, default=256, help="MLP width (256)")
     parser.add_argument("--quick", action="store_true", help="smoke run")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 10)
-    args.rounds = args.rounds or (2 if args.quick else 8)
+    args.rounds = args.rounds or (2 if args.quick else 12)
     args.steps = args.steps or (60 if args.quick else 300)
     return args
 

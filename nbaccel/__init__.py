@@ -124,7 +124,8 @@ _LAZY = {
 
 
 def load_ipython_extension(ipython: _Any) -> None:
-    """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md)."""
+    """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md) and the
+    ``%nbaccel_debug`` line magic (docs/debugging.md)."""
     from nbaccel.interactive.magic import load_ipython_extension as load
 
     load(ipython)
