@@ -231,14 +231,21 @@ class Run(RunPump):
         """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL."""
         if not self._done.is_set():
             self._post({"op": "stop"})
-        return self.wait(timeout)
+        return self._await_end(timeout)
 
-    def serve_debugger(self) -> None:
+    def _await_end(self, timeout: float | None) -> RunState:
+        """``wait`` without serving debugger stops: for a run being stopped or closed, whose
+        stopped ranks are ending, not to be typed into."""
+        if not wait_serving(None, None, self._done, timeout):
+            raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
+        return self._state
+
+    def _serve_debugger(self) -> None:
         """Hold the debugger sessions of ranks stopped now (what ``wait`` does as it waits),
         then return: for a thread that waits for something else (interactive workers)."""
         serve_pending(self._debug, self._console)
 
-    def debug_stops_wake(self, wake: Callable[[], None], quit_ends: str = "the run") -> None:
+    def _debug_stops_wake(self, wake: Callable[[], None], quit_ends: str = "the run") -> None:
         """Call ``wake`` whenever a rank stops in the debugger (on the channels' thread);
         ``quit_ends``: what ``q`` ends, as the session's header says."""
         if self._debug is not None:
@@ -246,7 +253,7 @@ class Run(RunPump):
         if self._console is not None:
             self._console.quit_ends = quit_ends
 
-    def watch_stalls(self, on: bool) -> None:
+    def _watch_stalls(self, on: bool) -> None:
         """Warn of stalls (``stall_warning``) from now on, or not: interactive workers watch
         only while a call runs (between calls, nothing happening is no stall)."""
         self._post({"op": "watch_stalls", "seconds": self.config.stall_warning if on else None})

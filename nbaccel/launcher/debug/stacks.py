@@ -58,7 +58,12 @@ def stacks_now(skip: set[int] | None = None) -> dict[str, Any]:
         kept = shown_frames(frames[ident])
         head = f"Thread {name}" + (" (main)" if ident == main else "") + ":"
         body = "".join(traceback.format_list(kept)).rstrip("\n")
-        sections.append(f"{head}\n{body}" if body else f"{head} (no Python frames)")
+        if not body:  # no Python frame at all (a C thread), or only nbaccel's waiting
+            idle = traceback.extract_stack(frames[ident])
+            body = " in nbaccel's own code, idle" if idle else " (no Python frames)"
+            sections.append(head + body)
+            continue
+        sections.append(f"{head}\n{body}")
     if own:
         sections.append("nbaccel's threads: " + ", ".join(sorted(own)))
     stack = shown_frames(frames[main]) if main in frames else []
@@ -66,10 +71,13 @@ def stacks_now(skip: set[int] | None = None) -> dict[str, Any]:
 
 
 def shown_frames(frame: FrameType | None) -> list[traceback.FrameSummary]:
-    """A thread's frames, outermost first, without the launcher's and ``threading``'s own."""
-    kept = [
-        summary for summary in traceback.extract_stack(frame) if not launcher_file(summary.filename)
-    ]
+    """A thread's frames, outermost first, without the launcher's and ``threading``'s own;
+    none when all it runs is nbaccel's (a launcher frame waiting in the standard library:
+    an interactive worker between calls)."""
+    every = traceback.extract_stack(frame)
+    kept = [summary for summary in every if not launcher_file(summary.filename)]
+    if len(kept) < len(every) and all(_stdlib_file(summary.filename) for summary in kept):
+        return []
     return kept
 
 
@@ -111,6 +119,13 @@ def user_frame(stack: list[traceback.FrameSummary]) -> str | None:
         if not _library_frame(summary.filename):
             return f"{summary.name} ({summary.filename}:{summary.lineno})"
     return None
+
+
+def _stdlib_file(filename: str) -> bool:
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    return filename.startswith("<frozen") or (
+        path.startswith(_STDLIB) and "-packages" not in path.replace(os.sep, "/")
+    )
 
 
 def _library_frame(filename: str) -> bool:

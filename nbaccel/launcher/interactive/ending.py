@@ -78,7 +78,7 @@ class CallEnding:
             run.signal_workers(signal.SIGINT, busy)
 
     def _take_reply(self, run: Run, replies: dict[int, dict[str, Any]]) -> None:
-        run.serve_debugger()  # a rank stopped in breakpoint(): its pdb, in this cell
+        run._serve_debugger()  # a rank stopped in breakpoint(): its pdb, in this cell
         reply = self._replies.next(0.25)
         if reply is not None and reply.get("poke"):
             return  # a rank stopped: served at the next turn
@@ -110,7 +110,7 @@ class CallEnding:
         """The group lost a rank: the run first records why (its exit code or signal, as a
         launch names it, and stops the others), then whatever is left is stopped."""
         try:
-            run.wait(ENDED_GRACE)
+            run._await_end(ENDED_GRACE)
         except TimeoutError:
             pass
         cause = run.error
@@ -148,7 +148,7 @@ def shut(
     for conn in conns.values():
         conn.close()
     try:
-        run.wait(wait if wait is not None else 0.0)
+        run._await_end(wait if wait is not None else 0.0)
     except TimeoutError:
         run.stop()
     listener.close()

@@ -173,14 +173,27 @@ class WorkerGroup(CallEnding):
     def stacks(self) -> dict[int, str]:
         """Where every rank is now, ``{rank: text}``, without interrupting anything (as
         ``Run.stacks``): the user's function it is in, the collective it waits in, then
-        every thread's Python stack."""
+        every thread's Python stack.
+
+        >>> import nbaccel
+        >>> with nbaccel.Workers(num_processes=1, dashboard="text") as workers:
+        ...     print(workers.stacks()[0].splitlines()[1])  # between calls: nothing of yours
+        Thread MainThread (main): in nbaccel's own code, idle
+        """
         return self._live_run().stacks()
 
     def debug(self, rank: int | None = None) -> None:
         """Open pdb in the cell at the frame where a rank's last error was raised (as
         IPython's ``%debug``): ``rank``, or the rank the last failed call named. Its locals
         (the model, the tensors) are there; ``c`` or ``q`` ends the session, and the
-        workers are ready for the next call. ``free_memory()`` drops the frames kept."""
+        workers are ready for the next call. ``free_memory()`` drops the frames kept.
+
+        >>> import nbaccel
+        >>> with nbaccel.Workers(num_processes=1, dashboard="text") as workers:
+        ...     workers.debug()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: no call of these workers has failed yet, so there is no frame to debug: ...
+        """
         __tracebackhide__ = True
         run = self._live_run()
         if rank is None:
@@ -259,8 +272,8 @@ class WorkerGroup(CallEnding):
         self._sender = Sender(self._conns)
         self._last_failed: int | None = None  # the rank the last failed call named
         # A rank stopped in pdb: the call's wait wakes (and q interrupts the call, no more).
-        run.debug_stops_wake(self._replies.poke, quit_ends="the call")
-        run.watch_stalls(False)  # only while a call runs
+        run._debug_stops_wake(self._replies.poke, quit_ends="the call")
+        run._watch_stalls(False)  # only while a call runs
         # Workers dropped without close() (a setup cell run again, a script's end) end too:
         # the finalizer holds what it closes, never this object.
         self._finalizer = weakref.finalize(
@@ -321,7 +334,7 @@ class WorkerGroup(CallEnding):
         frame = pickle.dumps({**command, "seq": seq, "sources": new_sources}, protocol=5)
         display = self._display(run, self._gpus, show_ranks) if shown else self._idle
         self._relay.target = display
-        run.watch_stalls(command["op"] in ("run", "exec"))  # a user's code runs: it may stall
+        run._watch_stalls(command["op"] in ("run", "exec"))  # a user's code runs: it may stall
         started = time.time()
         display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
         error: BaseException | None = None
@@ -372,4 +385,4 @@ class WorkerGroup(CallEnding):
                 state, error = RunState.CANCELLED, None
             display(RunEnded(state, error, time.time() - started, time.time()))
             self._relay.target = self._idle
-            run.watch_stalls(False)
+            run._watch_stalls(False)
