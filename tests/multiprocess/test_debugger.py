@@ -302,3 +302,58 @@ def test_a_peer_that_times_out_while_a_rank_is_in_pdb_says_why_and_the_fix(
     assert "rank(s) 1 were stopped in the debugger" in str(raised.value)
     assert "raise collective_timeout" in str(raised.value)
     assert "--- rank 1 has ended ---" in typist.text
+
+
+def test_the_kernel_stays_free_of_torch_through_stacks_and_a_session(tmp_path: Path) -> None:
+    from tests.multiprocess.conftest import run_script
+
+    done = run_script(
+        """
+        import sys
+        import nbaccel
+        from nbaccel.launcher.debug.console import DebugConsole
+
+        def train():
+            import torch
+            import torch.distributed as dist
+            weights = torch.ones(2)
+            if dist.get_rank() == 1:
+                breakpoint()
+            dist.all_reduce(weights)
+            return 1
+
+        run = nbaccel.launch(train, num_processes=2, dashboard=False)
+        lines = ["p weights", "w", "c"]
+        run._console = DebugConsole(
+            run._debug, prompt=lambda p: lines.pop(0), write=lambda t: None, can_type=lambda: None
+        )
+        while not run.stacks()[1].startswith("rank 1: in train") and not run.state.done:
+            pass
+        assert run.result(timeout=120) == 1
+        print("torch imported:", "torch" in sys.modules)
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "torch imported: False" in done.stdout
+
+
+def test_no_stall_warning_while_a_rank_is_in_pdb(runs_dir: str) -> None:
+    import threading
+
+    events: list[Event] = []
+    run = nbaccel.launch(
+        stop_on_rank_1, args=(1,), num_processes=2, runs_dir=runs_dir, stall_warning=1.0
+    )
+    run.subscribe(events.append)
+    typist = Typist(run, ["p x", "c"])
+    typed = typist._prompt
+
+    def look_a_while(prompt: str) -> str:
+        threading.Event().wait(3.0)  # the scenario: a user reads for three stall periods
+        return typed(prompt)
+
+    run._console._prompt = look_a_while  # type: ignore[union-attr]
+    assert run.result(timeout=120) == 4.0
+    assert "(Pdb) p x\n2\n" in typist.text
+    assert not [e for e in events if isinstance(e, StallWarning)]
