@@ -102,3 +102,34 @@ def test_a_breakpoint_on_another_host_is_typed_into_here(
     text = "".join(shown)
     assert "--- pdb on rank 2 (" in text
     assert "(Pdb) p x\n1.0\n" in text and "(Pdb) p x\n10.0\n" in text
+
+
+def test_workers_on_two_hosts_post_mortem_and_stacks(
+    ssh_hosts: SshHosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nbaccel.launcher.interactive.workers as workers_module
+
+    monkeypatch.setattr(workers_module, "nobody_to_type", lambda: None)  # a scripted typist
+    settings = on_hosts(ssh_hosts, tmp_path / "runs")
+    with nbaccel.Workers(num_processes=4, dashboard="text", **settings) as workers:
+        cell = "import torch.distributed as dist\nrank = dist.get_rank()\nif rank == 3:\n"
+        cell += "    kept = rank * 11\n    raise ValueError('bad')\n"
+        with pytest.raises(ValueError, match="bad"):
+            workers.run_cell(cell, "<c1>")
+        lines, shown = ["p kept", "c"], []
+
+        def prompt(text: str) -> str:
+            line = lines.pop(0)
+            shown.append(f"{text}{line}\n")
+            return line
+
+        run = workers._run
+        assert run is not None
+        console = DebugConsole(run._debug, prompt=prompt, write=shown.append, can_type=lambda: None)  # type: ignore[arg-type]
+        run._console = console
+        workers.debug()  # rank 3, on the second host, through its agent
+        assert "(Pdb) p kept\n33\n" in "".join(shown)
+        stacks = workers.stacks()
+        assert sorted(stacks) == [0, 1, 2, 3]
+        assert stacks[3].startswith(f"rank 3 on {ssh_hosts.hosts[1]}")
+        assert workers.pull("rank") == {0: 0, 1: 1, 2: 2, 3: 3}
