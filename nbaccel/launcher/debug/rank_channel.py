@@ -68,6 +68,9 @@ class RankDebugger:
         self._said_skip = False
         self.quit_where: str | None = None  # where ``q`` was typed: the run ends there
         self._thread: threading.Thread | None = None
+        # A process forked from the rank (a DataLoader worker) inherits the hook and the
+        # socket but not the thread that reads it: there every stop is skipped, never waited.
+        self._pid = os.getpid()
 
     # ----- the channel ------------------------------------------------------------
     def start(self) -> None:
@@ -85,8 +88,9 @@ class RankDebugger:
             self._sock.close()
 
     def send(self, message: dict[str, Any]) -> bool:
-        """Send one frame to the kernel; False when the channel is gone."""
-        if self._sock is None:
+        """Send one frame to the kernel; False when the channel is gone (or not this
+        process's: a forked child must not write into its rank's stream)."""
+        if self._sock is None or os.getpid() != self._pid:
             return False
         frame = encode_frame(message)
         with self._send_lock:
@@ -125,6 +129,11 @@ class RankDebugger:
     def ask(self, kind: str, where: str) -> tuple[bool, str]:
         if not self._enabled:
             return False, self._off_why
+        if os.getpid() != self._pid:
+            return False, (
+                f"it runs in a process forked from rank {self.rank} (a DataLoader worker?), "
+                "which has no debug channel of its own"
+            )
         if not self.send({"op": "ask", "kind": kind, "where": where, "host": self.host}):
             return False, "this rank has no debug channel to the kernel"
         answer = self._next("answer")

@@ -266,3 +266,23 @@ def test_post_mortem_opens_at_the_frame_that_raised(
     output = typed.output()
     assert "ValueError: kept in the frame" in output
     assert "'kept in the frame'" in output and '"the caller\'s"' in output
+
+
+def test_a_process_forked_from_the_rank_skips_its_breakpoints_instead_of_hanging(
+    channel: tuple[RankDebugger, socket.socket], capfd: pytest.CaptureFixture[str]
+) -> None:
+    debugger, kernel = channel
+    debugger.install(enabled=True)
+    typed = ScriptedKernel(kernel, [])
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: the hook and the socket, not the reader thread
+        try:
+            breakpoint()
+            print("went on", flush=True)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)  # bounded by the test's timeout: it must not hang
+    said = capfd.readouterr()
+    assert status == 0 and said.out == "went on\n"
+    assert "in a process forked from rank 1" in said.err
+    assert typed.seen == []  # nothing written into the rank's own stream
