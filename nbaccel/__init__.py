@@ -19,6 +19,7 @@ from nbaccel import lazy_names as _lazy_names
 from nbaccel.errors import (
     CollectiveTimeout,
     ConfigError,
+    DebuggerQuit,
     HelperError,
     RemoteTraceback,
     RunCancelled,
@@ -123,7 +124,8 @@ _LAZY = {
 
 
 def load_ipython_extension(ipython: _Any) -> None:
-    """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md)."""
+    """``%load_ext nbaccel``: the ``%%nbaccel`` cell magic (docs/interactive.md) and the
+    ``%nbaccel_debug`` line magic (docs/debugging.md)."""
     from nbaccel.interactive.magic import load_ipython_extension as load
 
     load(ipython)
@@ -153,6 +155,7 @@ __all__ = [
     "ConfigPanel",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
+    "DebuggerQuit",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",

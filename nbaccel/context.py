@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from nbaccel.config.schema import Config
 from nbaccel.events import EventWriter
@@ -66,6 +67,9 @@ class WorkerSession:
     events: EventWriter
     metric_steps: int = 0
     xla: XlaPlan | None = None  # set when torch_xla started this worker
+    # The rank's debug channel (launcher.debug.rank_channel.RankDebugger): interactive
+    # workers open post-mortems on it.
+    debugger: Any = None
 
 
 _active: WorkerSession | None = None

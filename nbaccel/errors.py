@@ -72,6 +72,32 @@ class WorkersEnded(RuntimeError):
     would not stop; the message says why. ``workers.restart()`` starts them again."""
 
 
+class DebuggerQuit(WorkerError):
+    """``q`` (or end of input) in pdb on a rank ended the run: every rank was stopped.
+
+    >>> print(DebuggerQuit(rank=1, where="train.py:12"))  # doctest: +ELLIPSIS
+    quit in the debugger on rank 1 (at train.py:12): every rank was stopped, so the run has ...
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        where: str | None = None,
+        host: str | None = None,
+        ended: str = "every rank was stopped, so the run has no result",
+    ) -> None:
+        at = f" on host {host}" if host else ""
+        at += f" (at {where})" if where else ""
+        super().__init__(
+            f"quit in the debugger on rank {rank}{at}: {ended}. Type c instead of q to let "
+            "the ranks run on.",
+            rank=rank,
+            exc_type="bdb.BdbQuit",
+        )
+        self.where, self.host = where, host
+
+
 class CollectiveTimeout(WorkerError):
     """Ranks waited in a collective longer than ``collective_timeout`` seconds."""
 

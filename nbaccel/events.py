@@ -252,6 +252,24 @@ class Notice:
     time: float
 
 
+@dataclass(frozen=True)
+class StallWarning:
+    """No rank printed, logged a metric or finished a step for ``seconds`` (the launch's
+    ``stall_warning``): where each rank is now, read from its stack (parent-made, once per
+    stall; the run goes on). ``stacks``: ``{rank: text}`` as ``Run.stacks`` gives them;
+    ``waits_in``: ``{rank: the collective its main thread waits in, or None}``.
+
+    >>> warning = StallWarning(120.0, {1: "rank 1: in train (t.py:3)"}, {1: "barrier"}, 0.0)
+    >>> warning.waits_in[1]
+    'barrier'
+    """
+
+    seconds: float
+    stacks: Mapping[int, str]
+    waits_in: Mapping[int, str | None]
+    time: float
+
+
 # What a worker sends on its event pipe: these dataclasses, pickled, and nothing else. The
 # parent takes each by its type (``launcher.pump``) and sets ``rank`` from the pipe it came
 # on, so no worker can speak for another rank.
@@ -283,6 +301,7 @@ Event = (
     | RunRestarted
     | RunEnded
     | Notice
+    | StallWarning
 )
 
 

@@ -233,6 +233,23 @@ class Config:
         "Seconds after which a detached run's supervisor stops every worker (None: no limit).",
         minimum=0.001,
     )
+    debugger: bool = schema_field(
+        True,
+        "breakpoint() and pdb.set_trace() on a rank open pdb in the launching cell (Jupyter's "
+        "input box, or the terminal); off: each rank skips them, saying so once.",
+    )
+    post_mortem: bool = schema_field(
+        False,
+        "When a rank raises, open pdb in the cell at its failing frame before the run ends "
+        "(with debugger on, and someone to type: a kernel with a frontend, or a terminal).",
+    )
+    stall_warning: float | None = schema_field(
+        120.0,
+        "Seconds without output, a logged metric or a finished step from any rank after "
+        "which the run shows every rank's stack and the collective it waits in, once per "
+        "stall; the run goes on (None: never).",
+        minimum=0.001,
+    )
 
     def __post_init__(self) -> None:
         for opt in options():

@@ -1,4 +1,5 @@
-"""The ``%%nbaccel`` cell magic: a cell's code runs on every rank of ``nbaccel.Workers``.
+"""The ``%%nbaccel`` cell magic: a cell's code runs on every rank of ``nbaccel.Workers``;
+``%nbaccel_debug``: pdb at the frame where a rank's last call raised (docs/debugging.md).
 
 ``%load_ext nbaccel`` registers it (``nbaccel.load_ipython_extension``). The cell runs in
 each rank's persistent namespace, on the last ``Workers`` made, or the one named:
@@ -196,8 +197,35 @@ def running_cell(ipython: Any) -> int:
     return number if isinstance(number, int) else int(ipython.execution_count)
 
 
+def nbaccel_debug(line: str, namespace: dict[str, Any]) -> None:
+    """``%nbaccel_debug [workers_variable] [--rank N]``: pdb in the cell at the frame where
+    a rank's last call raised, as IPython's ``%debug`` (``workers.debug``). A wrong line
+    raises ``CellRefused`` before anything is sent.
+
+    >>> nbaccel_debug("--rank one", {})
+    Traceback (most recent call last):
+    nbaccel.interactive.magic.CellRefused: %nbaccel_debug --rank one: expected `%nbaccel_debug ...
+    """
+    parser = argparse.ArgumentParser(prog="%nbaccel_debug", add_help=False)
+    parser.add_argument("workers", nargs="?")
+    parser.add_argument("--rank", type=int, default=None)
+    try:
+        options = parser.parse_args(shlex.split(line))
+    except SystemExit:
+        raise CellRefused(
+            f"%nbaccel_debug {line}: expected `%nbaccel_debug [workers_variable] [--rank N]`."
+        ) from None
+    name = options.workers
+    workers = namespace.get(name) if name is not None else last_workers()
+    if not isinstance(workers, WorkerGroup):
+        where = f"{name!r} is not an nbaccel.Workers" if name else "no nbaccel.Workers exists"
+        raise CellRefused(f"%nbaccel_debug: {where}; it debugs a rank of interactive workers.")
+    workers.debug(options.rank)
+
+
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%%nbaccel`` in an IPython shell (``%load_ext nbaccel``)."""
+    """Register ``%%nbaccel`` and ``%nbaccel_debug`` in an IPython shell (``%load_ext
+    nbaccel``)."""
     from IPython.core.error import UsageError
 
     def magic(line: str, cell: str) -> Any:
@@ -210,3 +238,12 @@ def load_ipython_extension(ipython: Any) -> None:
 
     magic.__doc__ = __doc__
     ipython.register_magic_function(magic, magic_kind="cell", magic_name="nbaccel")
+
+    def debug_magic(line: str) -> None:
+        try:
+            nbaccel_debug(line, ipython.user_ns)
+        except CellRefused as error:
+            raise UsageError(str(error)) from None
+
+    debug_magic.__doc__ = nbaccel_debug.__doc__
+    ipython.register_magic_function(debug_magic, magic_kind="line", magic_name="nbaccel_debug")

@@ -4,7 +4,8 @@ Used outside Jupyter, without ipywidgets, and as the dashboard's fallback. Rank 
 printed bare; other ranks get a ``[rank N]`` label (``[host:rank N]`` on several machines,
 rank 0's too). At the end, one line sums up the step
 time (where it went, throughput, the straggler) when the workers sent a breakdown. A run
-that restarts its workers (``max_restarts``) gets one line per restart.
+that restarts its workers (``max_restarts``) gets one line per restart; a stall warning,
+every rank's stack.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nbaccel.events import (
     RunRestarted,
     RunState,
     SettingsApplied,
+    StallWarning,
     StepBreakdown,
 )
 from nbaccel.step_board import StepBoard
@@ -80,6 +82,12 @@ class TextPrinter:
                 ("\n" if self._open_rank is not None else "") + f"nbaccel: {event.text}\n"
             )
             self._open_rank = None
+        elif isinstance(event, StallWarning):
+            self._stream.write(
+                ("\n" if self._open_rank is not None else "") + stall_text(event) + "\n"
+            )
+            self._open_rank = None
+            self._stream.flush()
         elif isinstance(event, RunRestarted):
             self._stream.write(
                 ("\n" if self._open_rank is not None else "") + f"nbaccel: {restart_line(event)}\n"
@@ -121,3 +129,18 @@ def restart_line(event: RunRestarted) -> str:
         return f"{event.reason}; restarting the workers ({attempt})"
     where = f" on host {event.host}" if event.host is not None else ""
     return f"rank {event.rank}{where} failed ({event.reason}); restarting the workers ({attempt})"
+
+
+def stall_text(event: StallWarning) -> str:
+    """A stall warning in text: why, then each rank's stack.
+
+    >>> text = stall_text(StallWarning(120.0, {1: "rank 1: in train (t.py:3)"}, {1: None}, 0))
+    >>> print(text)  # doctest: +ELLIPSIS
+    nbaccel: no rank printed, logged a metric or finished a step for 120 s (stall_warning); ...
+    rank 1: in train (t.py:3)
+    """
+    head = (
+        f"nbaccel: no rank printed, logged a metric or finished a step for {event.seconds:.0f} s "
+        "(stall_warning); where each rank is now (the run goes on):"
+    )
+    return "\n".join([head, *(event.stacks[rank] for rank in sorted(event.stacks))])

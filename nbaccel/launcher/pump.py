@@ -11,7 +11,10 @@ attempt that has restarts left is recorded (``events.jsonl``) and stops nothing 
 elastic stops and restarts the workers on every host itself; the starter's ``restarted``
 message then emits ``RunRestarted`` with the culprit of the attempt that failed. A rank's
 state is its latest worker's (its ``started`` event says which attempt). A failure in the
-last attempt ends the run as without restarts; a stop ends it at once in any attempt.
+last attempt ends the run as without restarts; a stop ends it at once in any attempt
+(``outcome.restarts.RestartsSeen`` is that part of the pump). Each rank's output, metric
+and finished step is a sign of life for the stall warning (``debug.stall.StallReports``:
+after ``stall_warning`` quiet seconds, every rank's stack, once per stall).
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ from nbaccel.events import (
     WorkerStarted,
 )
 from nbaccel.hardware.xla_plan import XlaPlan
+from nbaccel.launcher.debug.console import DebugConsole
+from nbaccel.launcher.debug.stall import StallReports
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import Failure, build_error, last_output
-from nbaccel.launcher.outcome.restarts import Attempts
+from nbaccel.launcher.outcome.restarts import Attempts, RestartsSeen
 from nbaccel.launcher.output import Mark, OutputReader, render
 from nbaccel.launcher.results import ResultBoxes, keep_in_folder
 from nbaccel.launcher.run_folder import private_file
@@ -88,7 +93,7 @@ class RankPipes:
     attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
 
-class RunPump:
+class RunPump(StallReports, RestartsSeen):
     """The pump thread's half of ``Run`` (its state is set up by ``Run.__init__``)."""
 
     run_id: str
@@ -117,6 +122,7 @@ class RunPump:
     _events_file: Any
     _attempts: Attempts
     _boxes: ResultBoxes  # each rank's result box, until its value came
+    _console: DebugConsole | None  # serves the debug channels' stops (launcher/debug/)
 
     def logs(self, rank: int = 0) -> str:
         """All that rank ``rank`` wrote to stdout and stderr so far (``\\r`` redraws collapsed)."""
@@ -264,7 +270,9 @@ class RunPump:
 
     def _handle(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
         op = message["op"]
-        if op == "stop":
+        if op in ("stall", "watch_stalls", "notice"):
+            self._on_stall_message(message)
+        elif op == "stop":
             self._arbiter.cancel(time.monotonic())
         elif op == "exited" and self._xla is not None:
             # The supervisor is gone, and torch_xla's workers with it (same process group).
@@ -303,52 +311,9 @@ class RunPump:
         if all(x.exitcode is not None for x in self._ranks.values()):
             self._drain_deadline = time.monotonic() + DRAIN_SECONDS
 
-    def _fail(self, failure: Failure, attempt: int | None = None) -> None:
-        """A rank failed (in ``attempt``, for a worker's own report): the arbiter ends the
-        run, unless elastic restarts every worker after it (restarts left, no stop)."""
-        if attempt is None or not self._restartable(attempt):
-            self._arbiter.fail(failure, time.monotonic())
-            return
-        host = self._helper.host_of(failure.rank) if self._helper is not None else None
-        record = self._attempts.record(failure, attempt, host)
-        if record is not None:
-            self._record(record)
-
-    def _restartable(self, attempt: int) -> bool:
-        return self._attempts.restartable(attempt) and not self._arbiter.cancelled
-
-    def _on_worker_ended(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
-        """One worker of an attempt ended (only the agent says so, its last bytes first):
-        with restarts left a failure of that attempt; in the last one the arbiter hears of
-        it before elastic's end reports every rank (the ranks it stopped after it, too)."""
-        r, attempt, status = self._ranks[message["rank"]], message["attempt"], message["status"]
-        if not self._restartable(attempt) and r.exitcode is None:
-            # No attempt comes after this one (restarts used up, or a stop): the rank's
-            # process is gone, and waiting for elastic to return took 2-4 s more on a stop.
-            # Its status is None where elastic reaped it before the agent read it: then its
-            # exit is elastic's to report ("exited"), not an exit code of None.
-            if status is not None:
-                self._on_exit(r, status, selector)
-            return
-        if status == 0:
-            return
-        while self._read(selector, r, "events"):
-            pass  # its error report, if it sent one, names the failure better than its exit
-        if r.has_result and r.attempt == attempt:
-            return  # it had finished: a peer's failure stopped it at the end
-        self._fail(Failure(r.rank, "exit", time.time(), exitcode=status), attempt)
-
-    def _on_restarted(self, attempt: int) -> None:
-        if self._arbiter.cancelled:
-            return  # a stop's restart runs nothing (the agent's stop pipe)
-        event = self._attempts.started(attempt, time.time())
-        if event is not None:
-            entry = {"event": "restarted", "attempt": attempt, "rank": event.rank}
-            self._record({**entry, "host": event.host, "reason": event.reason})
-            self._emit(event)
-
     def _tick(self) -> None:
         live = [r.rank for r in self._ranks.values() if r.exitcode is None]
+        self._check_stall(live, time.monotonic())
         everyone_exited = not live
         for signum, ranks in self._arbiter.due(time.monotonic(), live, everyone_exited):
             if self._helper is not None:
@@ -356,7 +321,8 @@ class RunPump:
                 self._helper.signal(self.run_id, signum, ranks if self._xla is None else None)
 
     def _select_timeout(self) -> float | None:
-        deadlines = [d for d in (self._arbiter.next_deadline(), self._drain_deadline) if d]
+        stall = self._stall.next_deadline() if self._debug is not None else None
+        deadlines = [d for d in (self._arbiter.next_deadline(), self._drain_deadline, stall) if d]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _finished(self) -> bool:
@@ -380,6 +346,7 @@ class RunPump:
                 host=self._helper.host_of(culprit.rank) if self._helper is not None else None,
                 restarts=self._attempts.restarts_used(),
             )
+            self._note_debugged(self._error, stuck)  # a stuck rank that was in pdb
             state = RunState.FAILED
         elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks.values()):
             state = RunState.CANCELLED
@@ -396,6 +363,8 @@ class RunPump:
 
     def _close_everything(self) -> None:
         self._boxes.close()  # ranks that sent no value
+        if self._debug is not None:
+            self._debug.close()  # a thread serving stops is woken: nothing more comes
         if self._helper is not None:
             self._helper.unsubscribe(self.run_id)
         for r in self._ranks.values():
@@ -415,6 +384,8 @@ class RunPump:
 
     # ----- helpers ----------------------------------------------------------------
     def _emit(self, event: Event) -> None:
+        if isinstance(event, (LogLine, Metric, StepBreakdown)):
+            self._stall.activity(time.monotonic())  # a sign of life: no stall
         for subscriber in self._subscribers:
             try:
                 subscriber(event)

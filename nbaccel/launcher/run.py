@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,15 @@ from nbaccel.config.schema import Config, shown_ranks
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import Notice, RunStarted, RunState
 from nbaccel.hardware.xla_plan import XlaPlan
+from nbaccel.launcher.debug.console import DebugConsole
+from nbaccel.launcher.debug.hub import DebugHub
+from nbaccel.launcher.debug.stall import StallWatch
+from nbaccel.launcher.debug.waiting import (
+    STACKS_TIMEOUT,
+    collect_stacks,
+    serve_pending,
+    wait_serving,
+)
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import note_kernel_name
 from nbaccel.launcher.outcome.restarts import Attempts
@@ -88,6 +97,11 @@ class Run(RunPump):
         self._events_file: Any = None
         self._attempts = Attempts(config.max_restarts)
         self._boxes = ResultBoxes()  # each rank's value's large buffers (results.py)
+        # Each rank's debug channel (made by start(); launcher/debug/), who serves its stops
+        # in this process, and the stall warning's clock.
+        self._debug: DebugHub | None = None
+        self._console: DebugConsole | None = None
+        self._stall = StallWatch(config.stall_warning, time.monotonic())
 
     # ----- public API -------------------------------------------------------------
     @property
@@ -152,14 +166,60 @@ class Run(RunPump):
         self._subscribers.append(subscriber)
 
     def wait(self, timeout: float | None = None) -> RunState:
-        """Block until the run ends; returns its state. TimeoutError if it has not ended."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._done.wait(
-            0.25 if deadline is None else max(0.0, min(0.25, deadline - time.monotonic()))
-        ):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
+        """Block until the run ends; returns its state. TimeoutError if it has not ended.
+
+        Meanwhile, a rank that stops in ``breakpoint()`` (or, with ``post_mortem=True``, at
+        its error) gets pdb here: its output printed, each command read with ``input()``
+        (Jupyter's input box in a kernel). ``c`` lets it run on, ``q`` ends the run. See
+        docs/debugging.md.
+        """
+        if not wait_serving(self._debug, self._console, self._done, timeout):
+            raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
         return self._state
+
+    def stacks(self, timeout: float = STACKS_TIMEOUT) -> dict[int, str]:
+        """Where every live rank is now: ``{rank: text}``, each text a line naming the
+        user's function it is in and the collective it waits in, then every thread's
+        Python stack (the main thread, which runs the function, first). Nothing is
+        stopped. A rank whose channel does not answer within ``timeout`` seconds (a thread
+        holding the GIL in C code) gets faulthandler's dump from its log instead.
+
+        >>> import nbaccel
+        >>> def nap():
+        ...     import time
+        ...     time.sleep(60)
+        >>> run = nbaccel.launch(nap, num_processes=1, dashboard="text")
+        >>> while "in nap" not in run.stacks()[0]:  # until the rank has reached its nap
+        ...     pass
+        >>> print(run.stacks()[0].splitlines()[0])  # doctest: +ELLIPSIS
+        rank 0: in nap (...:3)
+        >>> run.stop()
+        nbaccel: run cancelled
+        <RunState.CANCELLED: 'cancelled'>
+        """
+        if self._state.done:
+            raise RuntimeError(
+                f"run {self.run_id} has ended ({self._state.value}): its ranks are gone. What "
+                "they wrote is in run.logs(rank); a failed rank's traceback is in run.error."
+            )
+        # A worker that has not said it started may not have set up faulthandler yet: the
+        # fallback's SIGUSR1 would end it. It is named, not asked.
+        waiting = {r.rank for r in self._ranks.values() if r.exitcode is None and r.pid is None}
+        live = [r.rank for r in self._ranks.values() if r.exitcode is None and r.pid is not None]
+        return {
+            rank: f"rank {rank}: its worker has not started yet (importing torch?)"
+            for rank in waiting
+        } | collect_stacks(
+            self._debug,
+            live,
+            host_of=self.host_of,
+            # torch_xla's ranks share their supervisor's process group: all or none.
+            signal_ranks=lambda signum, ranks: self.signal_workers(
+                signum, None if self._xla is not None else ranks
+            ),
+            log_path=lambda rank: self.run_dir / f"rank{rank}.log",
+            timeout=timeout,
+        )
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value; raises the run's error if it failed."""
@@ -175,7 +235,32 @@ class Run(RunPump):
         """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL."""
         if not self._done.is_set():
             self._post({"op": "stop"})
-        return self.wait(timeout)
+        return self._await_end(timeout)
+
+    def _await_end(self, timeout: float | None) -> RunState:
+        """``wait`` without serving debugger stops: for a run being stopped or closed, whose
+        stopped ranks are ending, not to be typed into."""
+        if not wait_serving(None, None, self._done, timeout):
+            raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
+        return self._state
+
+    def _serve_debugger(self) -> None:
+        """Hold the debugger sessions of ranks stopped now (what ``wait`` does as it waits),
+        then return: for a thread that waits for something else (interactive workers)."""
+        serve_pending(self._debug, self._console)
+
+    def _debug_stops_wake(self, wake: Callable[[], None], quit_ends: str = "the run") -> None:
+        """Call ``wake`` whenever a rank stops in the debugger (on the channels' thread);
+        ``quit_ends``: what ``q`` ends, as the session's header says."""
+        if self._debug is not None:
+            self._debug.on_stop = wake
+        if self._console is not None:
+            self._console.quit_ends = quit_ends
+
+    def _watch_stalls(self, on: bool) -> None:
+        """Warn of stalls (``stall_warning``) from now on, or not: interactive workers watch
+        only while a call runs (between calls, nothing happening is no stall)."""
+        self._post({"op": "watch_stalls", "seconds": self.config.stall_warning if on else None})
 
     def signal_workers(self, signum: int, ranks: list[int] | None = None) -> None:
         """Send ``signum`` to the process group of every live worker of this run (or of
@@ -210,6 +295,10 @@ class Run(RunPump):
         # parent CPU per metric, taken from the workers on a small machine.
         self._events_file = private_file(self.run_dir / "events.jsonl", "a")
         helper.subscribe(self.run_id, self._post)
+        # A detached run's supervisor has no cell to type into: its ranks skip breakpoints.
+        refuse = "a detached run has no cell to type into" if self.config.detach else None
+        self._debug = DebugHub(refuse=refuse, notice=self._post_notice)
+        self._console = DebugConsole(self._debug)
         child_fds: list[int] = []
         try:
             if self._xla is not None:
@@ -218,13 +307,16 @@ class Run(RunPump):
                 rank = request["context"].rank
                 log_write, event_write = self._open_rank(rank)
                 child_fds += [log_write, event_write]
+                debug = self._debug.open(rank)  # the rank's end of its debug channel
+                child_fds.append(debug)
                 rendezvous = [listen_fd] if rank == 0 and listen_fd is not None else []
                 box = [self._boxes.make(rank)] if result_boxes else []
-                fds = [payload_fd, log_write, event_write, *rendezvous, *data_fds, *box]
+                fds = [payload_fd, log_write, event_write, debug, *rendezvous, *data_fds, *box]
                 shared = shared_fds(len(data_fds), box=bool(box))
-                helper.spawn({**request, **shared, "run": self.run_id, "rank": rank}, fds)
-                os.close(log_write)
-                os.close(event_write)
+                message = {**request, **shared, "run": self.run_id, "rank": rank}
+                helper.spawn({**message, "debug_channel": True}, fds)
+                for fd in child_fds:
+                    os.close(fd)
                 child_fds.clear()
         except BaseException:
             for fd in child_fds:
@@ -236,6 +328,7 @@ class Run(RunPump):
                     pass  # the helper is gone, and its workers die with it
             self._close_everything()
             raise
+        self._debug.start()
         self._state = RunState.RUNNING
         self._emit(RunStarted(self.run_id, self.world_size, str(self.run_dir), time.time()))
         for text in self.notices:

@@ -73,6 +73,7 @@ def attach_dashboard(
     dashboard = Dashboard(
         model,
         stop=None if blocking else lambda: _request_stop(ref),
+        stacks=None if blocking else lambda: _stacks_now(ref),
         blocking=blocking,
         rank=TOGETHER if together else (first if first in run.ranks else run.ranks[0]),
         sampler=sampler,
@@ -155,6 +156,14 @@ def _reports_to(source: ReportedMemory, sampler: MemorySampler) -> Callable[[Eve
 def _pids(ref: weakref.ref[Run]) -> dict[int, int]:
     run = ref()
     return run.worker_pids if run is not None else {}
+
+
+def _stacks_now(ref: weakref.ref[Run]) -> dict[int, str]:
+    """Every rank's stack now (the Stacks button's, on a thread of its own)."""
+    run = ref()
+    if run is None:
+        raise RuntimeError("the run is gone")
+    return run.stacks()
 
 
 def _request_stop(ref: weakref.ref[Run]) -> None:

@@ -216,3 +216,42 @@ def test_a_killed_kernel_ends_its_agents_steps_while_the_allocation_goes_on(
     assert len(answer["before"]) == 2  # the two kept agents' steps
     assert answer["after"] == [], answer
     print(f"agents' steps gone {answer['took']:.2f} s after the kernel's SIGKILL")
+
+
+def test_stacks_of_ranks_on_slurm_nodes_come_through_their_agents(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    answer = in_allocation(
+        slurm_cluster,
+        tmp_path,
+        """
+        def hold(flag):
+            import pathlib, time
+            import torch
+            import torch.distributed as dist
+
+            if dist.get_rank() == 1:
+                while not pathlib.Path(flag).exists():
+                    time.sleep(0.01)
+            dist.all_reduce(torch.ones(1))
+            return dist.get_rank()
+
+        flag = os.path.join(sys.argv[1], "release")
+        run = nbaccel.launch(
+            hold, args=(flag,), num_processes=2, hosts="slurm", remote_python=sys.executable,
+            use_cpu=True, runs_dir=sys.argv[1], dashboard=False)
+        deadline = time.monotonic() + 60
+        while True:
+            stacks = run.stacks() if not run.state.done else {}
+            if "waiting in all_reduce" in stacks.get(0, "") and "in hold (" in stacks.get(1, ""):
+                break
+            assert time.monotonic() < deadline and not run.state.done, (stacks, run.error)
+        open(flag, "w").close()
+        heads = {rank: text.splitlines()[0] for rank, text in stacks.items()}
+        print(json.dumps({"heads": heads, "results": run.results(timeout=60)}))
+        """,
+    )
+    heads = answer["heads"]
+    assert heads["0"].startswith("rank 0 on ") and heads["0"].endswith("waiting in all_reduce")
+    assert heads["1"].startswith("rank 1 on ") and " in hold (" in heads["1"]
+    assert answer["results"] == {"0": 0, "1": 1}

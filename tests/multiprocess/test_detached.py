@@ -255,3 +255,35 @@ def test_the_command_line_launches_detached_lists_and_follows(tmp_path: Path) ->
     listed = cli("runs", "--prune", "0")
     assert f"pruned 1 run folder(s): {run_id}" in listed.stdout
     assert not (tmp_path / "nbaccel_runs" / run_id).exists()
+
+
+def test_stacks_of_a_detached_run_from_another_kernel(tmp_path: Path) -> None:
+    gate, runs = tmp_path / "gate", str(tmp_path / "runs")
+    kernel_a = start_kernel_a(tmp_path, gate, runs)
+    run_id, _ = read_run_line(kernel_a)
+    kernel_a.kill()
+    kernel_a.wait(timeout=30)
+    run = nbaccel.attach(run_id, runs_dir=runs, dashboard=False)
+    stacks = run.stacks()  # asked of the supervisor, over the attach channel
+    assert sorted(stacks) == [0, 1]
+    for rank, text in stacks.items():
+        assert text.startswith(f"rank {rank}: in train ("), text  # both wait at the gate
+    assert run.state is nbaccel.RunState.RUNNING  # nothing was stopped
+    gate.touch()
+    assert run.result(timeout=120)["steps"] == 6
+    with pytest.raises(RuntimeError, match="has ended"):
+        run.stacks()
+
+
+def stops_at_a_breakpoint() -> int:
+    breakpoint()
+    return 7
+
+
+def test_a_breakpoint_in_a_detached_run_is_skipped_and_said(tmp_path: Path) -> None:
+    run = nbaccel.launch(
+        stops_at_a_breakpoint, num_processes=1, detach=True, runs_dir=str(tmp_path / "runs"),
+        dashboard=False,
+    )  # fmt: skip
+    assert run.result(timeout=120) == 7  # nobody can type into a detached run: it goes on
+    assert "skipped: a detached run has no cell to type into" in run.logs(0)

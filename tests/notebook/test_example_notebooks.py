@@ -66,6 +66,7 @@ def test_notebooks_folder_has_examples() -> None:
         "06_colab_tpu",
         "07_long_runs",
         "08_interactive",
+        "09_debugging",
     }, names
 
 
@@ -604,6 +605,27 @@ def _check_interactive(widgets: Widgets, cells: Any, folder: Path) -> None:
     assert set(pulled) == {0, 1} and pulled[0][0] == pulled[1][0] == 6 * 14, pulled
 
 
+def _check_debugging(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    # Headless (nbclient sends no input_request): the breakpoint is skipped, said, and the
+    # run goes on to its value.
+    stopped = cells.cell(nb, "breakpoint")
+    assert cells.result(stopped) == "84.0"
+    log = "\n".join(_log_lines(widgets, widgets.dashboard("breakpoint")))
+    assert "rank 1: a debugger stop at " in log, log
+    assert "was skipped: this notebook runs without a frontend that takes input" in log, log
+    printed = cells.stream(cells.cell(nb, "stacks"))
+    assert re.search(r"^rank 0: in uneven \(.*\), waiting in all_reduce$", printed, re.M), printed
+    assert "Thread MainThread (main):" in printed and "time.sleep(seconds)" in printed, printed
+    assert cells.result(cells.cell(nb, "stacks-end")) == "{0: 0, 1: 1}"
+    stall = widgets.dashboard("stall")
+    shown = widgets.text(stall["stacks"])
+    assert "No rank printed, logged a metric or finished a step for 3 s" in shown, shown
+    assert "rank 0: in quiet (" in shown and "waiting in barrier" in shown, shown
+    assert cells.result(cells.cell(nb, "stall")) == "'done'"  # the run went on
+    assert widgets.state[stall["stacks-button"]]["state"]["disabled"]  # a blocking cell
+
+
 CONTENT_CHECKS = {
     "01_quickstart_cpu.ipynb": _check_quickstart,
     "02_config_panel.ipynb": _check_config_panel,
@@ -612,4 +634,5 @@ CONTENT_CHECKS = {
     "05_accelerate_code_unchanged.ipynb": _check_accelerate,
     "07_long_runs.ipynb": _check_long_runs,
     "08_interactive.ipynb": _check_interactive,
+    "09_debugging.ipynb": _check_debugging,
 }

@@ -180,7 +180,9 @@ ROOMS: dict[str, dict[str, set[str]]] = {
         # Large buffers in shared memory: what the payload, agents and the interactive
         # wire all call, below everything else.
         "sharing": set(),
-        "bootstrap": {"sharing"},
+        # Each rank's debug channel, both ends (the rank's and the kernel's): base only.
+        "debug": set(),
+        "bootstrap": {"sharing", "debug"},
         "outcome": set(),
         "xla": {"bootstrap", "control", "sharing"},
         "local": {
@@ -212,6 +214,7 @@ ROOMS: dict[str, dict[str, set[str]]] = {
             "api",
             "bootstrap",
             "control",
+            "debug",
             "outcome",
             "output",
             "planned",

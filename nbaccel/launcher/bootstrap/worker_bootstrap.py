@@ -11,11 +11,13 @@ starting them depend on this module and never on each other.
 
 from __future__ import annotations
 
+import bdb
 import faulthandler
 import linecache
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -30,6 +32,7 @@ from nbaccel.events import EventWriter, ModulesImported, ResultReady, WorkerFail
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.bootstrap import pickling, script
 from nbaccel.launcher.bootstrap.payload import read_payload
+from nbaccel.launcher.debug.rank_channel import RankDebugger
 from nbaccel.launcher.sharing.packing import Packed, close_fds, pack_fresh, unpack
 from nbaccel.launcher.sharing.segments import Segment
 
@@ -57,6 +60,7 @@ def run_payload(
     explain: Callable[[BaseException], str | None] = lambda error: None,
     data_fds: Sequence[int] = (),
     box: int | None = None,
+    debug_fd: int | None = None,
 ) -> int:
     """Load the payload, call the function, report its value or error; the exit code.
 
@@ -66,18 +70,27 @@ def run_payload(
     ``explain`` may give a failure a note with the fix (kept: the exception keeps its type).
     ``data_fds``: the shared-memory segments of the payload's buffers (mapped, then closed);
     ``box``: where the value's large buffers go (``Run._result_box``), else in the pickle.
+    ``debug_fd``: the rank's debug channel (``launcher.debug``): stacks are answered from
+    now on, and once the config is known ``breakpoint()`` opens pdb in the cell.
     """
     loaded_before = set(sys.modules)  # what the helper (or the interpreter) had already
+    debugger = RankDebugger(debug_fd, context.rank, socket.gethostname())
+    debugger.start()
+    config: Config | None = None
     try:
         payload = pickle.loads(read_payload(payload_fd))
         os.close(payload_fd)
         sys.path[:] = payload["sys_path"]
         for filename, lines in payload["sources"].items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-        config: Config = payload["config"]
+        config = payload["config"]
+        assert config is not None
         threaded = xla is not None and xla.devices_per_process > 1  # ranks are threads
-        session = WorkerSession(context=context, config=config, events=events, xla=xla)
+        session = WorkerSession(
+            context=context, config=config, events=events, xla=xla, debugger=debugger
+        )
         activate(session, per_thread=threaded)
+        debugger.install(enabled=config.debugger)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         start(config)
         call = Packed(payload["function"], payload.get("refs", ()))
@@ -102,6 +115,10 @@ def run_payload(
         finish(packed.data)
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit
+        if isinstance(error, bdb.BdbQuit) and debugger.quit_where is not None:
+            error.args = (debugger.quit_where,)  # where ``q`` was typed, for the run's error
+        elif config is not None and config.post_mortem and config.debugger:
+            post_mortem(debugger, error)
         note = explain(error)
         if note is not None and hasattr(error, "add_note"):  # Python 3.11+; travels pickled
             error.add_note(note)
@@ -109,6 +126,19 @@ def run_payload(
         # sys.exit(n) keeps its code, as under torchrun; anything else exits with 1.
         code = getattr(error, "code", 1) if isinstance(error, SystemExit) else 1
         return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+def post_mortem(debugger: RankDebugger, error: BaseException) -> None:
+    """``post_mortem=True``: pdb at the frame that raised, before the error is reported (and
+    the run ended), for an error of the rank's own: not a peer's end, an interrupt or exit."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, bdb.BdbQuit)):
+        return
+    if classify_failure(error) != "error":
+        return  # a peer failed first, or timed out: its frame tells nothing of this rank
+    try:
+        debugger.post_mortem(error)
+    except KeyboardInterrupt:
+        pass  # the run is being stopped: the error is reported as it is
 
 
 def imported_since(loaded_before: set[str]) -> tuple[tuple[str, str | None], ...]:

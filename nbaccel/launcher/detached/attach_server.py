@@ -3,9 +3,10 @@
 A Unix socket in the abstract namespace (its name, random, is kept in the 0600
 ``run_dir/supervisor.json``): no file to clean up, no TCP port, and every connection is
 checked with ``SO_PEERCRED`` so only this user's processes are served. A client sends one
-line, ``follow`` or ``stop``. ``follow`` gets what happened so far, then every new event
+line, ``follow``, ``stacks`` or ``stop``. ``follow`` gets what happened so far, then every new event
 as it happens (length-prefixed pickled ``{"event": Event}`` frames, ``events.encode_frame``)
-until the run ends. ``stop`` stops the run as ■ would. Stdlib only.
+until the run ends. ``stacks`` gets ``{"stacks": {rank: text}}`` (``Run.stacks``: where each
+rank is now, nothing stopped). ``stop`` stops the run as ■ would. Stdlib only.
 """
 
 from __future__ import annotations
@@ -135,7 +136,14 @@ class AttachServer:
         except OSError:
             conn.close()
             return
-        if request == b"stop" and self._run is not None:
+        if request == b"stacks" and self._run is not None:
+            try:
+                answer: dict[str, object] = {"stacks": self._run.stacks()}
+            except RuntimeError as error:  # the run has ended
+                answer = {"error": str(error)}
+            _send(conn, encode_frame(answer))
+            conn.close()
+        elif request == b"stop" and self._run is not None:
             self._run.stop()  # returns once every worker is gone
             _send(conn, encode_frame({"stopped": self._run.state.value}))
             conn.close()

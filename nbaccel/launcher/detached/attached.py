@@ -90,6 +90,28 @@ class AttachedRun(Run):
                 pass  # the supervisor is gone already: the follower sees its end
         return self.wait(timeout)
 
+    def stacks(self, timeout: float = 10.0) -> dict[int, str]:
+        """Where every rank is now (``Run.stacks``), asked of the run's supervisor."""
+        if self._done.is_set():
+            return super().stacks()  # raises: the run has ended
+        try:
+            with _connect(self._record_info["address"]) as conn:
+                conn.sendall(b"stacks\n")
+                conn.settimeout(timeout)
+                decoder = FrameDecoder()
+                answers: list[Any] = []
+                while not answers and (data := conn.recv(1 << 16)):
+                    answers += decoder.feed(data)
+        except OSError as error:
+            raise RuntimeError(
+                f"the supervisor of run {self.run_id} did not answer ({error}): the run has "
+                "ended, or its supervisor is gone. Its logs are in run.logs(rank)."
+            ) from None
+        answer = answers[0] if answers and isinstance(answers[0], dict) else {}
+        if "error" in answer or "stacks" not in answer:
+            raise RuntimeError(answer.get("error", f"run {self.run_id} sent no stacks"))
+        return dict(answer["stacks"])
+
     def __repr__(self) -> str:
         return super().__repr__().replace("nbaccel.Run", "nbaccel.Run (detached)")
 

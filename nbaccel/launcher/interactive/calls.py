@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbaccel import unpickling
+from nbaccel.errors import DebuggerQuit
 from nbaccel.events import WorkerFailed
 from nbaccel.launcher.interactive.wire import recv_frame_fds, send_frame
 from nbaccel.launcher.outcome.failures import Failure, build_error, choose_culprit
@@ -38,6 +39,11 @@ class Replies:
             self._selector.register(conn, selectors.EVENT_READ, rank)
         self._thread = threading.Thread(target=self._read, name="nbaccel-workers", daemon=True)
         self._thread.start()
+
+    def poke(self) -> None:
+        """Wake the thread waiting in ``next`` (a rank stopped in the debugger): it gets
+        ``{"poke": True}``."""
+        self._queue.put({"poke": True})
 
     def next(self, timeout: float) -> dict[str, Any] | None:
         """The next reply, or None after ``timeout`` seconds."""
@@ -130,12 +136,18 @@ def build_cell_error(
         report: WorkerFailed = reply["error"]
         failures.append(Failure(report.rank, report.cause, 0.0, report=report))
     culprit = choose_culprit(failures)
-    return build_error(
+    error = build_error(
         culprit,
         world_size=world_size,
         collective_timeout=collective_timeout,
         host=host_of(culprit.rank),  # on several machines, where it ran
     )
+    if isinstance(error, DebuggerQuit):  # the workers stay: only the call was ended
+        ended = "the call was interrupted on every rank; the workers and their namespaces stay"
+        quit_error = DebuggerQuit(rank=error.rank, where=error.where, host=error.host, ended=ended)
+        quit_error.__cause__ = error.__cause__
+        return quit_error
+    return error
 
 
 def check_ranks(ranks: frozenset[int], world_size: int, asked: str) -> None:

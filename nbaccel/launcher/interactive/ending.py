@@ -50,8 +50,11 @@ class CallEnding:
                     raise KeyboardInterrupt
                 self._take_reply(run, replies)
                 if deadline is None and errors_of(replies):
-                    deadline = time.monotonic() + INTERRUPT_GRACE
-                    reason = f"rank {errors_of(replies)[0]['rank']} failed"
+                    failed = errors_of(replies)[0]
+                    # q in pdb: the call ends now, not after the peers' grace
+                    quit = failed["error"].type == "bdb.BdbQuit"
+                    deadline = time.monotonic() + (0.0 if quit else INTERRUPT_GRACE)
+                    reason = f"rank {failed['rank']} " + ("quit the debugger" if quit else "failed")
                 now = time.monotonic()
                 if signalled_at is None and deadline is not None and now > deadline:
                     signalled_at, deadline = now, now + INTERRUPT_GRACE
@@ -75,7 +78,10 @@ class CallEnding:
             run.signal_workers(signal.SIGINT, busy)
 
     def _take_reply(self, run: Run, replies: dict[int, dict[str, Any]]) -> None:
+        run._serve_debugger()  # a rank stopped in breakpoint(): its pdb, in this cell
         reply = self._replies.next(0.25)
+        if reply is not None and reply.get("poke"):
+            return  # a rank stopped: served at the next turn
         if reply is not None and reply.get("lost"):
             raise self._ended(run, f"rank {reply['rank']}'s connection closed")
         if reply is not None:
@@ -104,7 +110,7 @@ class CallEnding:
         """The group lost a rank: the run first records why (its exit code or signal, as a
         launch names it, and stops the others), then whatever is left is stopped."""
         try:
-            run.wait(ENDED_GRACE)
+            run._await_end(ENDED_GRACE)
         except TimeoutError:
             pass
         cause = run.error
@@ -142,7 +148,7 @@ def shut(
     for conn in conns.values():
         conn.close()
     try:
-        run.wait(wait if wait is not None else 0.0)
+        run._await_end(wait if wait is not None else 0.0)
     except TimeoutError:
         run.stop()
     listener.close()

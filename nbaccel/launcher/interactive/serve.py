@@ -20,6 +20,7 @@ replies travel on different pipes).
 from __future__ import annotations
 
 import ast
+import bdb
 import builtins
 import gc
 import linecache
@@ -81,13 +82,14 @@ def serve(address: str, token: str) -> None:
     interrupts = _Interrupts()
     signal.signal(signal.SIGINT, interrupts)
     local = sock.family == socket.AF_UNIX  # values' buffers go back in shared memory
+    kept: dict[str, Any] = {"error": None}  # the last command's error: for a post-mortem
     try:
         while True:
             frame, fds = recv_frame_fds(sock)
             if frame is None:
                 break
             command = pickle.loads(frame)
-            command["fds"] = fds
+            command["fds"], command["kept"] = fds, kept
             reply, segment = _execute(command, namespace, rank, interrupts, local)
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
@@ -132,7 +134,12 @@ def _execute(
         reply["status"] = "interrupted"
     except BaseException as error:  # noqa: BLE001 - every failure goes back to the kernel
         reply["status"] = "error"
-        reply["error"] = error_message(_from_user_code(error), rank)
+        error = _from_user_code(error)
+        if not isinstance(error, bdb.BdbQuit) and command["op"] != "debug":
+            # Kept with its frames (the model and tensors they hold) until the next error,
+            # as IPython keeps sys.last_traceback: workers.debug() opens pdb there.
+            command["kept"]["error"] = error
+        reply["error"] = error_message(error, rank)
     reply["seconds"] = time.monotonic() - started
     reply["memory"] = memory_now()
     return reply, segment
@@ -206,16 +213,42 @@ def _pull(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
 
 
 def _free_memory(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    command["kept"]["error"] = None  # the last error's frames hold what they held
     gc.collect()
     if _cuda_in_use():
         torch.cuda.empty_cache()
     return None
 
 
+def _post_mortem(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    """pdb at the frame of this rank's last error (``workers.debug``), if it is the rank
+    asked for; whether a session was held (nobody to type: skipped, said once)."""
+    session = active_session()
+    if command["rank"] != (session.context.rank if session is not None else 0):
+        return None
+    error = command["kept"]["error"]
+    if error is None:
+        raise ValueError(
+            "this rank has raised nothing since the workers started, so there is no frame to "
+            "debug: workers.debug() opens pdb where a rank's last call failed."
+        )
+    debugger = session.debugger if session is not None else None
+    if debugger is None:
+        raise RuntimeError("this rank has no debug channel to the kernel")
+    return debugger.post_mortem(error)
+
+
 # What a value that cannot travel back should have done instead, beside plain data.
 KEEP_IN_NAMESPACE = "; keep models and optimizers in the rank's namespace"
 
-_OPERATIONS = {"run": _run, "exec": _exec, "push": _push, "pull": _pull, "free": _free_memory}
+_OPERATIONS = {
+    "run": _run,
+    "exec": _exec,
+    "push": _push,
+    "pull": _pull,
+    "free": _free_memory,
+    "debug": _post_mortem,
+}
 
 
 def memory_now() -> dict[str, int]:

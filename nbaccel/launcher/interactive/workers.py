@@ -32,6 +32,7 @@ from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, pack_call
+from nbaccel.launcher.debug.console import nobody_to_type
 from nbaccel.launcher.interactive.calls import (
     Replies,
     Sender,
@@ -169,6 +170,49 @@ class WorkerGroup(CallEnding):
         self._call({"op": "free"}, shown=False)
         return self.memory
 
+    def stacks(self) -> dict[int, str]:
+        """Where every rank is now, ``{rank: text}``, without interrupting anything (as
+        ``Run.stacks``): the user's function it is in, the collective it waits in, then
+        every thread's Python stack.
+
+        >>> import nbaccel
+        >>> with nbaccel.Workers(num_processes=1, dashboard="text") as workers:
+        ...     print(workers.stacks()[0].splitlines()[1])  # between calls: nothing of yours
+        Thread MainThread (main): in nbaccel's own code, idle
+        """
+        return self._live_run().stacks()
+
+    def debug(self, rank: int | None = None) -> None:
+        """Open pdb in the cell at the frame where a rank's last error was raised (as
+        IPython's ``%debug``): ``rank``, or the rank the last failed call named. Its locals
+        (the model, the tensors) are there; ``c`` or ``q`` ends the session, and the
+        workers are ready for the next call. ``free_memory()`` drops the frames kept.
+
+        >>> import nbaccel
+        >>> with nbaccel.Workers(num_processes=1, dashboard="text") as workers:
+        ...     workers.debug()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: no call of these workers has failed yet, so there is no frame to debug: ...
+        """
+        __tracebackhide__ = True
+        run = self._live_run()
+        if rank is None:
+            rank = self._last_failed
+        if rank is None:
+            raise ValueError(
+                "no call of these workers has failed yet, so there is no frame to debug: "
+                "workers.debug() opens pdb where a rank's last call raised (name one with "
+                "workers.debug(rank=N))."
+            )
+        check_ranks(frozenset({rank}), run.world_size, f"workers.debug(rank={rank})")
+        why = nobody_to_type()
+        if why is not None:
+            raise RuntimeError(
+                f"workers.debug() needs someone to type into pdb, but {why}. Run it in a "
+                "notebook with a frontend (JupyterLab, VS Code) or in a terminal."
+            )
+        self._call({"op": "debug", "rank": rank}, shown=False)
+
     def restart(self) -> None:
         """End the workers and start them afresh with the same config (namespaces empty)."""
         self.close()
@@ -226,6 +270,10 @@ class WorkerGroup(CallEnding):
         self._listener = listener
         self._replies = Replies(self._conns)
         self._sender = Sender(self._conns)
+        self._last_failed: int | None = None  # the rank the last failed call named
+        # A rank stopped in pdb: the call's wait wakes (and q interrupts the call, no more).
+        run._debug_stops_wake(self._replies.poke, quit_ends="the call")
+        run._watch_stalls(False)  # only while a call runs
         # Workers dropped without close() (a setup cell run again, a script's end) end too:
         # the finalizer holds what it closes, never this object.
         self._finalizer = weakref.finalize(
@@ -286,6 +334,7 @@ class WorkerGroup(CallEnding):
         frame = pickle.dumps({**command, "seq": seq, "sources": new_sources}, protocol=5)
         display = self._display(run, self._gpus, show_ranks) if shown else self._idle
         self._relay.target = display
+        run._watch_stalls(command["op"] in ("run", "exec"))  # a user's code runs: it may stall
         started = time.time()
         display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
         error: BaseException | None = None
@@ -315,6 +364,8 @@ class WorkerGroup(CallEnding):
                 failed = build_cell_error(
                     errors, run.world_size, run.config.collective_timeout, run.host_of
                 )
+                if command["op"] != "debug":
+                    self._last_failed = getattr(failed, "rank", errors[0]["rank"])
                 note_kernel_name(failed, kernel_names, command["op"])
                 raise failed
             if any(r["status"] == "interrupted" for r in replies.values()):
@@ -334,3 +385,4 @@ class WorkerGroup(CallEnding):
                 state, error = RunState.CANCELLED, None
             display(RunEnded(state, error, time.time() - started, time.time()))
             self._relay.target = self._idle
+            run._watch_stalls(False)

@@ -37,11 +37,14 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != helper_pid:  # the helper died between fork and prctl
         os._exit(1)
-    # fds: payload, rank 0's log and events pipes, then rank 0's listening socket, or for
+    # fds: payload, the rank's log and events pipes, its debug channel, then rank 0's
+    # listening socket, or for
     # a torch_xla launch (one supervisor for every rank) the other ranks' pipes; last, the
     # payload's shared-memory segments and this rank's result box (sharing.packing).
     fds, data_fds, box = take_shared(fds, request)
     payload_fd, log_fd, events_fd, *rest = fds
+    # The rank's end of its debug channel (launcher/debug/), before rank 0's listening socket.
+    debug_fd = rest.pop(0) if request.get("debug_channel") else None
     supervisor = "xla_plan" in request
     # A supervisor writes into rank 0's log too, and hands that pipe on to rank 0's worker.
     capture_output(os.dup(log_fd) if supervisor else log_fd)
@@ -68,6 +71,7 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
             finish=lambda value: _finish_distributed(),
             data_fds=data_fds,
             box=box,
+            debug_fd=debug_fd,
         )
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbaccel import unpickling
-from nbaccel.errors import CollectiveTimeout, RemoteTraceback, WorkerError, describe_exit
+from nbaccel.errors import (
+    CollectiveTimeout,
+    DebuggerQuit,
+    RemoteTraceback,
+    WorkerError,
+    describe_exit,
+)
 from nbaccel.events import WorkerFailed
 
 # Lower sorts first: a rank's own error or death beats a failure caused by a peer.
@@ -112,10 +118,12 @@ def build_error(
     at = f" on host {host}" if host is not None else ""
     at += f" {attempt_text(*restarts)}" if restarts is not None else ""
     remote = RemoteTraceback(f"Traceback from rank {failure.rank}{at}:\n{report.traceback}")
-    if failure.cause == "timeout":
-        error: BaseException = _timeout_error(
-            failure, collective_timeout, stuck_ranks, stuck_logs or {}
+    if report.type == "bdb.BdbQuit":  # q in pdb on the rank (launch.debug): ends the run
+        error: BaseException = DebuggerQuit(
+            rank=failure.rank, where=report.message or None, host=host
         )
+    elif failure.cause == "timeout":
+        error = _timeout_error(failure, collective_timeout, stuck_ranks, stuck_logs or {})
     else:
         what = (
             f"called sys.exit({report.message})"

@@ -3,14 +3,20 @@
 A failure in an attempt with restarts left ends nothing: elastic stops every worker on
 every host and starts them again. ``Attempts`` keeps such failures until the next attempt
 starts, then names its culprit (the same choice as the arbiter's: a rank's own failure
-before a peer's report of it) for the ``RunRestarted`` event. Plain logic; stdlib only.
+before a peer's report of it) for the ``RunRestarted`` event. ``RestartsSeen`` is the part
+of a run's pump thread that takes a failure to the arbiter or to ``Attempts``, and the
+agents' word of a worker's end and of a restart. Plain logic; stdlib only.
 """
 
 from __future__ import annotations
 
+import selectors
+import time
+from collections.abc import Callable
 from typing import Any
 
-from nbaccel.events import RunRestarted
+from nbaccel.events import Event, RunRestarted
+from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import Failure, choose_culprit, describe_failure
 
 
@@ -70,3 +76,61 @@ class Attempts:
         host = next(h for f, h in failed if f is culprit)
         reason = describe_failure(culprit)
         return RunRestarted(attempt, self.max_restarts, culprit.rank, host, reason, now)
+
+
+class RestartsSeen:
+    """Failures and restarts as a run's pump thread takes them (a part of ``pump.RunPump``,
+    whose state it reads: ``_ranks`` holds its ``RankPipes``)."""
+
+    _arbiter: Arbiter
+    _attempts: Attempts
+    _helper: Any  # starter.WorkerStarter
+    _ranks: dict[int, Any]
+    _record: Callable[[dict[str, Any]], None]
+    _emit: Callable[[Event], None]
+    _read: Callable[[selectors.BaseSelector, Any, str], bool]
+    _on_exit: Callable[[Any, int, selectors.BaseSelector], None]
+
+    def _fail(self, failure: Failure, attempt: int | None = None) -> None:
+        """A rank failed (in ``attempt``, for a worker's own report): the arbiter ends the
+        run, unless elastic restarts every worker after it (restarts left, no stop)."""
+        if attempt is None or not self._restartable(attempt):
+            self._arbiter.fail(failure, time.monotonic())
+            return
+        host = self._helper.host_of(failure.rank) if self._helper is not None else None
+        record = self._attempts.record(failure, attempt, host)
+        if record is not None:
+            self._record(record)
+
+    def _restartable(self, attempt: int) -> bool:
+        return self._attempts.restartable(attempt) and not self._arbiter.cancelled
+
+    def _on_worker_ended(self, message: dict[str, Any], selector: selectors.BaseSelector) -> None:
+        """One worker of an attempt ended (only the agent says so, its last bytes first):
+        with restarts left a failure of that attempt; in the last one the arbiter hears of
+        it before elastic's end reports every rank (the ranks it stopped after it, too)."""
+        r, attempt, status = self._ranks[message["rank"]], message["attempt"], message["status"]
+        if not self._restartable(attempt) and r.exitcode is None:
+            # No attempt comes after this one (restarts used up, or a stop): the rank's
+            # process is gone, and waiting for elastic to return took 2-4 s more on a stop.
+            # Its status is None where elastic reaped it before the agent read it: then its
+            # exit is elastic's to report ("exited"), not an exit code of None.
+            if status is not None:
+                self._on_exit(r, status, selector)
+            return
+        if status == 0:
+            return
+        while self._read(selector, r, "events"):
+            pass  # its error report, if it sent one, names the failure better than its exit
+        if r.has_result and r.attempt == attempt:
+            return  # it had finished: a peer's failure stopped it at the end
+        self._fail(Failure(r.rank, "exit", time.time(), exitcode=status), attempt)
+
+    def _on_restarted(self, attempt: int) -> None:
+        if self._arbiter.cancelled:
+            return  # a stop's restart runs nothing (the agent's stop pipe)
+        event = self._attempts.started(attempt, time.time())
+        if event is not None:
+            entry = {"event": "restarted", "attempt": attempt, "rank": event.rank}
+            self._record({**entry, "host": event.host, "reason": event.reason})
+            self._emit(event)

@@ -11,18 +11,19 @@ made once. Each launch gets the agent's own environment and folder back before i
 and ``cwd`` apply, and a fresh socket for its workers.
 
 Kernel -> agent: ``start`` (a launch: payload, this host's share, the rendezvous), then
-``signal`` (to some or all ranks of the launch in progress). End of stdin means stop: every
-worker of this host is killed and the agent leaves, so a kernel that dies, or an SSH
-connection that drops, takes every host's processes down, idle agents included.
+``signal`` (to some or all ranks of the launch in progress) and ``debug`` (bytes for a
+rank's debug channel: ``launcher.debug``). End of stdin means stop: every worker of this
+host is killed and the agent leaves, so a kernel that dies, or an SSH connection that
+drops, takes every host's processes down, idle agents included.
 
-Agent -> kernel: ``agent`` (ready: pid, versions; once), ``endpoint`` (node 0: the rendezvous
-port it picked), ``worker`` (a worker of some attempt said hello: rank, pid, attempt; before
-any of its bytes), ``log``/``events`` (a rank's raw bytes, forwarded in order; events in
-whole frames only, so a worker killed mid-frame leaves nothing half-written for the next
-attempt's worker of that rank), ``ended`` (one worker process ended: rank, attempt, exit
-status, after its last bytes), ``exited`` (a rank's final exit code, once elastic is done),
-``done`` (the launch is over; ``stays``: whether the agent waits for the next) and
-``failed`` (the agent itself broke: its traceback; it leaves).
+Agent -> kernel: ``agent`` (ready: pid, versions; once), ``endpoint`` (node 0: the
+rendezvous port it picked), ``worker`` (a worker of some attempt said hello: rank, pid,
+attempt; before any of its bytes), ``log``/``events``/``debug`` (a rank's raw bytes,
+forwarded in order; events and debug frames whole only, so a worker killed mid-frame leaves
+nothing half-written for the next attempt's worker of that rank), ``ended`` (one worker
+process ended: rank, attempt, exit status, after its last bytes), ``exited`` (a rank's final
+exit code, once elastic is done), ``done`` (the launch is over; ``stays``: whether the agent
+waits for the next) and ``failed`` (the agent itself broke: its traceback; it leaves).
 
 With ``max_restarts`` (elastic restarts every worker after a failure), any ``signal`` from
 the kernel means the run is ending: later workers leave at once (the stop pipe), and a
@@ -39,7 +40,6 @@ fd 1 itself then points at fd 2, so a stray print of any library cannot break a 
 from __future__ import annotations
 
 import os
-import pickle
 import queue
 import secrets
 import signal
@@ -50,12 +50,10 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from nbaccel.events import FRAME_HEADER as HEADER
 from nbaccel.events import FrameDecoder, encode_frame
 from nbaccel.launcher import control
+from nbaccel.launcher.remote.worker_streams import READ_SIZE, everything, read_hello, whole_frames
 
-READ_SIZE = 1 << 16
-MAX_HELLO = 1 << 12
 DRAIN_TIMEOUT = 5.0  # after elastic returns, how long a worker's last bytes may take
 
 
@@ -103,6 +101,7 @@ class WorkerLinks:
         self._forwarders: dict[int, list[threading.Thread]] = {}
         self._by_pid: dict[int, list[threading.Thread]] = {}  # one worker's forwarders
         self._watchers: list[threading.Thread] = []  # each worker's "ended" reporter
+        self._debug: dict[int, socket.socket] = {}  # rank -> its latest worker's debug channel
         # The stop pipe: once written, every worker elastic starts leaves at once.
         self.stop_read, self._stop_write = os.pipe()
         self._stopping = False
@@ -154,6 +153,17 @@ class WorkerLinks:
         for pid in targets:
             _signal_group(pid, signum)
 
+    def write_debug(self, rank: int, data: bytes) -> None:
+        """The kernel's bytes for a rank's debug channel (none yet, or gone: dropped; the
+        kernel's hub then gets no answer and says so)."""
+        with self._lock:
+            conn = self._debug.get(rank)
+        if conn is not None:
+            try:
+                conn.sendall(data)
+            except OSError:
+                pass
+
     def ranks(self) -> list[int]:
         with self._lock:
             return list(self.pids)
@@ -181,11 +191,14 @@ class WorkerLinks:
 
     def _forward(self, conn: socket.socket) -> None:
         with conn:
-            hello, data = _read_hello(conn)
+            hello, data = read_hello(conn)
             if hello is None:
                 return
             rank, pid, attempt = int(hello["rank"]), int(hello["pid"]), int(hello["attempt"])
-            op = "log" if hello["channel"] == "log" else "events"
+            op = hello["channel"] if hello["channel"] in ("log", "debug") else "events"
+            if op == "debug":
+                with self._lock:
+                    self._debug[rank] = conn  # the kernel's frames for the rank go there
             with self._lock:  # held while sending: "worker" goes before any of its bytes
                 new = pid not in self._by_pid
                 self.pids[rank] = pid
@@ -201,7 +214,7 @@ class WorkerLinks:
                 with self._lock:
                     self._watchers.append(watcher)
                 watcher.start()
-            whole = _whole_frames if op == "events" else _everything
+            whole = everything if op == "log" else whole_frames
             pending = b""
             while True:
                 ready, pending = whole(pending + data)
@@ -219,38 +232,6 @@ class WorkerLinks:
             thread.join(DRAIN_TIMEOUT)
         ended = {"op": "ended", "rank": rank, "pid": pid, "attempt": attempt, "status": status}
         self._channel.send(ended)
-
-
-def _read_hello(conn: socket.socket) -> tuple[dict[str, Any] | None, bytes]:
-    """The connection's first frame (who it is), and the raw bytes that came after it."""
-    data = b""
-    while True:
-        if len(data) >= HEADER.size:
-            (length,) = HEADER.unpack_from(data)
-            if length > MAX_HELLO:
-                return None, b""
-            if len(data) >= HEADER.size + length:
-                end = HEADER.size + length
-                return pickle.loads(data[HEADER.size : end]), data[end:]
-        chunk = conn.recv(READ_SIZE)
-        if not chunk:
-            return None, b""
-        data += chunk
-
-
-def _whole_frames(data: bytes) -> tuple[bytes, bytes]:
-    """``data`` split after its last whole event frame: (whole frames, the rest)."""
-    end = 0
-    while len(data) - end >= HEADER.size:
-        (length,) = HEADER.unpack_from(data, end)
-        if len(data) - end - HEADER.size < length:
-            break
-        end += HEADER.size + length
-    return data[:end], data[end:]
-
-
-def _everything(data: bytes) -> tuple[bytes, bytes]:
-    return data, b""  # output: any byte boundary will do
 
 
 def _exit_status(pid: int) -> int | None:
@@ -310,6 +291,8 @@ def _obey(channel: Channel, starts: queue.Queue[tuple[dict[str, Any], WorkerLink
             with _current_lock:
                 _current = links
             starts.put((message, links))
+        elif message.get("op") == "debug" and links is not None:
+            links.write_debug(int(message["rank"]), message["data"])
         elif message.get("op") == "signal" and links is not None:
             signum = int(message["signal"])
             if links.max_restarts and signum != signal.SIGUSR1:  # a stack dump ends nothing

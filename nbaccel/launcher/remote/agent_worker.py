@@ -1,13 +1,13 @@
 """A worker started by torch elastic on a host of a several-machine launch (``agent_main.py``).
 
-torch elastic forks it from the host's agent with the torch.distributed variables set
-(RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT: the store the agent
-shares with its workers, or on one machine the store rank 0 serves itself on MASTER_ADDR).
-It connects twice to the agent's private socket (its output, then its events), each
-connection opened with one hello frame naming its rank and attempt (elastic's restart
-count), and runs the shared bootstrap (``worker_bootstrap.run_payload``). The process
-group is started from the environment elastic set; nothing here chooses an address or a
-port.
+torch elastic forks it from the host's agent with the torch.distributed variables set (RANK,
+LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT: the store the agent shares
+with its workers, or on one machine the store rank 0 serves itself on MASTER_ADDR). It
+connects three times to the agent's private socket (its output, its events, its debug
+channel: ``launcher.debug``), each connection opened with one hello frame naming its rank
+and attempt (elastic's restart count), and runs the shared bootstrap
+(``worker_bootstrap.run_payload``). The process group is started from the environment
+elastic set; nothing here chooses an address or a port.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def run_elastic_worker(
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     capture_output(_connect(address, rank, "log", attempt))
     events = EventWriter(_connect(address, rank, "events", attempt))
+    debug_fd = _connect(address, rank, "debug", attempt)  # relayed to the kernel's debug hub
     events.send(WorkerStarted(rank, os.getpid(), time.time(), attempt=attempt))
     context = ProcessContext(
         rank=rank,
@@ -97,7 +98,13 @@ def run_elastic_worker(
     try:
         data = [os.dup(fd) for fd in data_fds]
         code = run_payload(
-            context, events, os.dup(payload_fd), start=start, finish=finish, data_fds=data
+            context,
+            events,
+            os.dup(payload_fd),
+            start=start,
+            finish=finish,
+            data_fds=data,
+            debug_fd=debug_fd,
         )
     finally:
         stop_reports()

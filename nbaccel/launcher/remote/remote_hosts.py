@@ -16,9 +16,10 @@ on whichever host the new rendezvous puts it, writes into the same pipes), each 
 is posted as ``worker_ended`` and each new attempt once as ``restarted``. ``local=True``:
 one agent on this machine (a one-machine launch with restarts), whose ranks have no host.
 
-Nothing listens on the network on the kernel's side, and only the agents this process
-started can speak for a rank. Closing an agent's stdin stops its host; the kernel exiting
-closes them all. Stdlib only: the kernel runs this.
+Each rank's debug channel (``launcher.debug``) is relayed the same way, both ways
+(``debug_relay``). Nothing listens on the network on the kernel's side, and only the agents
+this process started can speak for a rank. Closing an agent's stdin stops its host; the
+kernel exiting closes them all. Stdlib only: the kernel runs this.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 from nbaccel.launcher.bootstrap.payload import read_payload
 from nbaccel.launcher.planned import JobMachine
 from nbaccel.launcher.remote.agent_link import AGENT_ARGV, AGENTS, AgentLink
+from nbaccel.launcher.remote.debug_relay import DebugRelay
 from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.launcher.sharing.packing import take_shared
 from nbaccel.launcher.sharing.segments import read_all
@@ -84,6 +86,8 @@ class RemoteHosts:
         self._over = [threading.Event() for _ in self.hosts]  # "done", "failed" or gone
         self._sent = [False for _ in self.hosts]  # each agent's start went out
         self._links: list[AgentLink] = []
+        self._debug = DebugRelay(self._send_debug)  # the ranks' debug channels
+        self._agent_of_rank: dict[int, int] = {}  # whose agent runs the rank now
         self._log_paths = [
             run_dir / f"agent-{index}-{_safe(host)}.log" for index, host in enumerate(self.hosts)
         ]
@@ -132,8 +136,11 @@ class RemoteHosts:
                 # once and shares them with its host's ranks (agent_run).
                 self._data = [read_all(fd) for fd in data_fds]
             self._pipes[rank] = (os.dup(fds[1]), os.dup(fds[2]))
+            if request.get("debug_channel"):
+                self._debug.add(rank, os.dup(fds[3]))
             complete = len(self._pipes) == self.world_size
         if complete:
+            self._debug.start()
             self._send_start(0, None)
 
     def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
@@ -167,6 +174,7 @@ class RemoteHosts:
         for log_fd, event_fd in pipes:
             _close_fd(log_fd)
             _close_fd(event_fd)
+        self._debug.close()
 
     def stderr_tail(self, index: int) -> str:
         try:
@@ -217,12 +225,15 @@ class RemoteHosts:
         if op == "worker":  # before any of that worker's bytes
             rank, attempt = int(message["rank"]), int(message["attempt"])
             self.host_of_rank[rank] = self.hosts[index]  # a restart may move a rank
+            self._agent_of_rank[rank] = index
             if attempt > self.attempt:
                 self.attempt = attempt
                 self._post({"op": "restarted", "attempt": attempt})
         elif op == "ended":
             ended = {key: message[key] for key in ("rank", "attempt", "status")}
             self._post({"op": "worker_ended", **ended})
+        elif op == "debug":
+            self._debug.from_agent(int(message["rank"]), message["data"])
         elif op in ("log", "events"):
             rank = int(message["rank"])
             fds = self._pipes.get(rank)
@@ -242,6 +253,12 @@ class RemoteHosts:
             self._host_failed(index, message["error"])
         elif op == "done":
             self._over[index].set()
+
+    def _send_debug(self, rank: int, message: dict[str, Any]) -> None:
+        """To the agent of the host ``rank`` runs on (not known yet: dropped)."""
+        index = self._agent_of_rank.get(rank)
+        if index is not None:
+            self._send(index, message)
 
     def _host_failed(self, index: int, reason: str) -> None:
         """An agent broke ("failed") or left before its "done": every rank is lost."""

@@ -12,8 +12,9 @@ reserved when the dashboard was shown), so a saved notebook keeps the curves and
 call returns only after they are out.
 
 While a blocking cell runs, the kernel handles no widget events (a click, a selector
-change): Stop and the selectors work in the non-blocking ``launch()`` dashboard; in a
-blocking call the kernel interrupt stops the run, and the UI says so.
+change): Stop, Stacks and the selectors work in the non-blocking ``launch()`` dashboard; in a
+blocking call the kernel interrupt stops the run, a stall warning shows the ranks' stacks,
+and the UI says so.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from typing import Any
 
 from nbaccel.events import Event, RunEnded, RunStarted, WorkerStarted
 from nbaccel.ui.dashboard.cell_output import CellOutput
+from nbaccel.ui.dashboard.clicks import DashboardClicks
 from nbaccel.ui.dashboard.compare import EarlierRuns, earlier_runs
 from nbaccel.ui.dashboard.memory import MemorySampler
 from nbaccel.ui.dashboard.model import DashboardModel, MemoryReading
+from nbaccel.ui.dashboard.stacks_panel import StacksPanel
 from nbaccel.ui.dashboard.step_panel import StepPanel
 from nbaccel.ui.dashboard.text import (
     errors_html,
@@ -48,7 +51,7 @@ IDLE_REFRESH = 1.0  # the header's clock ticks in seconds
 END_WAIT = 10.0  # the pump thread waits this long for the final frames and summary
 
 
-class Dashboard(CellOutput, DashboardWidgets):
+class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
     """Widgets for one run, fed with the run's events (it is a run subscriber).
 
     ``threaded=False`` runs no UI thread: call ``tick(now)`` to apply queued events and
@@ -67,6 +70,7 @@ class Dashboard(CellOutput, DashboardWidgets):
         model: DashboardModel,
         *,
         stop: Callable[[], None] | None = None,
+        stacks: Callable[[], dict[int, str]] | None = None,
         blocking: bool = False,
         rank: int = 0,
         sampler: MemorySampler | None = None,
@@ -78,6 +82,7 @@ class Dashboard(CellOutput, DashboardWidgets):
     ) -> None:
         self.model = model
         self._stop, self._blocking, self._sampler = stop, blocking, sampler
+        self._stacks_of = stacks  # Run.stacks, where a click reaches the kernel
         self._text_interval, self._image_interval = text_interval, image_interval
         self._clock, self._wall_clock, self._threaded = clock, wall_clock, threaded
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -91,6 +96,7 @@ class Dashboard(CellOutput, DashboardWidgets):
         self._written: dict[str, Any] = {}  # what each part shows, to skip equal writes
         self._plots: Any = None  # nbaccel.ui.dashboard.plots objects, made on first frame
         self.step_panel = StepPanel()  # the step-time breakdown
+        self.stacks_panel = StacksPanel()  # a stall warning's stacks, or the button's
         self._summary_outputs: tuple[Any, Any] | None = None
         self._finished = threading.Event()
         self._wake = threading.Event()  # set by producers when the UI thread should look
@@ -101,10 +107,7 @@ class Dashboard(CellOutput, DashboardWidgets):
         self.summary_text = ""
         self.earlier: EarlierRuns | None = None  # the runs picked to overlay, once listed
         super().__init__(model.log_choices(), rank, blocking=blocking, can_stop=stop is not None)
-        self.rank_selector.observe(self._on_rank, names="value")
-        self.metric_selector.observe(self._on_metric, names="value")
-        self.stop_button.on_click(self._on_stop)
-        self.compare.observe(self._on_compare, names="value")
+        self.listen()
 
     # ----- input (any thread) -------------------------------------------------------
     def __call__(self, event: Event) -> None:
@@ -127,30 +130,6 @@ class Dashboard(CellOutput, DashboardWidgets):
     def post_memory(self, readings: list[MemoryReading]) -> None:
         """Queue memory readings (the sampler's callback)."""
         self._put(readings)
-
-    def _on_rank(self, change: dict[str, Any]) -> None:
-        if not self._writing:
-            self._put(("rank", change["new"]), urgent=True)
-
-    def _on_metric(self, change: dict[str, Any]) -> None:
-        if not self._writing and change["new"] is not None:
-            self._put(("metric", change["new"]), urgent=True)
-
-    def _on_compare(self, change: dict[str, Any]) -> None:
-        if self._writing:
-            return
-        thread = self._thread
-        self._put(("compare", tuple(change["new"])), urgent=True)
-        if self._finished.is_set():  # the UI thread has ended with the run: draw it here
-            if thread is not None:
-                thread.join(1.0)
-            self.tick(force=True)
-
-    def _on_stop(self, _button: Any) -> None:
-        if self._stop is not None and not self._stop_clicked:
-            self._stop_clicked = True  # once: the button is disabled only when the UI catches up
-            self._stop()
-            self._put(("stop", True), urgent=True)
 
     @property
     def closed(self) -> bool:
@@ -288,12 +267,15 @@ class Dashboard(CellOutput, DashboardWidgets):
                     self._dirty_images = True
                 elif kind == "stop":
                     self._stopping = True
+                elif kind == "stacks":
+                    self.stacks_panel.take(value)
                 elif kind == "compare" and self.earlier is not None:
                     self.earlier.pick(value)  # reads each newly picked run's events once
                     self._dirty_images = True
                 self._dirty_text = True  # ("close", None) only wakes the thread: see tick
             elif item is not None:
                 self.step_panel.handle(item)
+                self.stacks_panel.handle(item)
                 self.model.handle(item)
                 self._ended = self._ended or isinstance(item, RunEnded)
                 self._dirty_text = self._dirty_images = True
@@ -328,6 +310,7 @@ class Dashboard(CellOutput, DashboardWidgets):
             self._set("rank", self.rank_selector, "value", self._rank)
         self._set("errors", self.errors, "value", errors_html(model.errors))
         self._set("steps", self.steps, "value", self.step_panel.html())
+        self._set("stacks", self.stacks, "value", self.stacks_panel.html())
         names = model.metric_names
         if not self._metric_chosen and names:
             self._metric = "loss" if "loss" in names else names[0]
@@ -347,6 +330,8 @@ class Dashboard(CellOutput, DashboardWidgets):
         done = model.state.done
         inert = done or self._stopping or self._blocking or self._stop is None
         self._set("stop_disabled", self.stop_button, "disabled", inert)
+        stacks_inert = inert or self._stacks_of is None
+        self._set("stacks_disabled", self.stacks_button, "disabled", stacks_inert)
         if self._stopping and not done:
             self._set("stop_label", self.stop_button, "description", "Stopping…")
         self._dirty_text = False

@@ -19,7 +19,8 @@ from nbaccel.ui.dashboard.model import (
 
 BLOCKING_NOTE = (
     "Blocking call: to stop the run, interrupt the kernel (■ in the toolbar, or I, I). "
-    "Use nbaccel.launch() for a working Stop button."
+    "Use nbaccel.launch() for working Stop and Stacks buttons; here a stall warning shows "
+    "every rank's stack."
 )
 # The saved summary keeps the end of the shown rank's log, as a cell that printed would:
 # bounded, since a cell's text is saved into the notebook file (the whole log stays in

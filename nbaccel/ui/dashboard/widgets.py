@@ -2,6 +2,7 @@
 
 Every part carries a CSS class (``nbaccel-dashboard``, ``nbaccel-header``, ``nbaccel-log``,
 ``nbaccel-errors``, ``nbaccel-rank``, ``nbaccel-stop``, ``nbaccel-stop-note``,
+``nbaccel-stacks-button``, ``nbaccel-stacks``,
 ``nbaccel-metric``, ``nbaccel-metric-value``, ``nbaccel-compare``, ``nbaccel-curve``,
 ``nbaccel-curve-legend``, ``nbaccel-memory-text``, ``nbaccel-memory``): a notebook's stored
 widget state lists it in ``_dom_classes``, and a browser test selects by it.
@@ -13,6 +14,7 @@ from typing import Any
 
 import ipywidgets as widgets  # untyped: widgets are held as Any
 
+from nbaccel.ui.dashboard.stacks_panel import BLOCKING_STACKS_NOTE
 from nbaccel.ui.dashboard.text import BLOCKING_NOTE
 
 
@@ -50,6 +52,16 @@ class DashboardWidgets:
             ),
             "nbaccel-stop",
         )  # fmt: skip
+        # Every rank's stack now (Run.stacks), where a click reaches the kernel: as Stop.
+        self.stacks_button = _tagged(
+            widgets.Button(
+                description="Stacks", icon="list", disabled=blocking or not can_stop,
+                layout=layout(width="100px"),
+                tooltip=BLOCKING_STACKS_NOTE if blocking else "Show where every rank is now",
+            ),
+            "nbaccel-stacks-button",
+        )  # fmt: skip
+        self.stacks = _tagged(widgets.HTML(), "nbaccel-stacks")  # stacks_panel.StacksPanel's
         note = f"<small>{BLOCKING_NOTE}</small>" if blocking else ""
         self.stop_note = _tagged(widgets.HTML(note), "nbaccel-stop-note")
         self.log = _tagged(widgets.HTML(), "nbaccel-log")
@@ -80,9 +92,12 @@ class DashboardWidgets:
             widgets.VBox(
                 [
                     self.header,
-                    widgets.HBox([self.rank_selector, self.stop_button, self.stop_note]),
+                    widgets.HBox(
+                        [self.rank_selector, self.stop_button, self.stacks_button, self.stop_note]
+                    ),
                     self.log,
                     self.errors,
+                    self.stacks,
                     widgets.HBox([self.metric_selector, self.metric_value]),
                     self.compare,
                     self.curve,
@@ -103,7 +118,8 @@ class DashboardWidgets:
     @property
     def model_ids(self) -> dict[str, str]:
         """Widget model ids by part, to find them in a notebook's stored widget state."""
-        parts = "widget header rank_selector stop_button log errors metric_selector"
+        parts = "widget header rank_selector stop_button stacks_button stacks log errors"
+        parts += " metric_selector"
         parts += " metric_value compare curve curve_legend memory_text memory"
         return {part: getattr(self, part).model_id for part in parts.split()}
 

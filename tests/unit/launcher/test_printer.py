@@ -60,3 +60,17 @@ def test_on_several_machines_every_rank_is_labelled_with_its_host() -> None:
     printer(line(0, "a"))  # no WorkerStarted needed first: the run knows the host
     printer(line(3, "b"))
     assert out.getvalue() == "[node1:rank 0] a\n[node2:rank 3] b\n"
+
+
+def test_a_stall_warning_prints_every_ranks_stack() -> None:
+    from nbaccel.events import StallWarning
+
+    stream = io.StringIO()
+    printer = TextPrinter(stream, frozenset({0}), announce_end=False)
+    printer(LogLine(0, "10%", False, True, 0.0))  # an open progress line is closed first
+    stacks = {1: "rank 1: waiting in barrier\n  File t.py", 0: "rank 0: in train (t.py:9)"}
+    printer(StallWarning(120.0, stacks, {0: None, 1: "barrier"}, 0.0))
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "10%"
+    assert lines[1].startswith("nbaccel: no rank printed, logged a metric or finished a step")
+    assert lines[2:] == ["rank 0: in train (t.py:9)", "rank 1: waiting in barrier", "  File t.py"]

@@ -202,3 +202,24 @@ def test_on_several_machines_the_failing_rank_is_named_with_its_host() -> None:
         host="node2",
     )
     assert str(killed).startswith("rank 2 was killed by SIGKILL") and "host node2" in str(killed)
+
+
+def test_q_in_pdb_on_a_rank_is_named_as_such() -> None:
+    import bdb
+
+    from nbaccel.errors import DebuggerQuit
+
+    quit_report = report(bdb.BdbQuit("/nb/train.py:12"), rank=1)
+    error = build_error(
+        Failure(1, "error", 0.0, report=quit_report),
+        world_size=2,
+        collective_timeout=60,
+        host="node2",
+    )
+    assert isinstance(error, DebuggerQuit) and isinstance(error, WorkerError)
+    assert str(error).startswith(
+        "quit in the debugger on rank 1 on host node2 (at /nb/train.py:12): every rank was "
+        "stopped, so the run has no result."
+    )
+    assert error.rank == 1 and error.where == "/nb/train.py:12"
+    assert isinstance(error.__cause__, RemoteTraceback)

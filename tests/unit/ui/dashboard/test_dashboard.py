@@ -31,6 +31,7 @@ from nbaccel.events import (
     RunEnded,
     RunStarted,
     RunState,
+    StallWarning,
     WorkerStarted,
 )
 from nbaccel.launcher.run import Run
@@ -340,6 +341,45 @@ def test_blocking_dashboard_says_the_kernel_interrupt_stops_it() -> None:
     assert dash.stop_button.disabled
     assert "interrupt the kernel" in dash.stop_note.value
     assert "interrupt the kernel" in dash.stop_button.tooltip
+    assert dash.stacks_button.disabled  # clicks wait for the cell: the stall warning shows
+    assert "stall warning" in dash.stacks_button.tooltip and "stall warning" in dash.stop_note.value
+
+
+def test_stacks_button_shows_every_ranks_stack_without_stopping_anything() -> None:
+    import time
+
+    asked: list[str] = []
+
+    def stacks() -> dict[int, str]:
+        asked.append("stacks")
+        return {0: "rank 0: in train (t.py:3), waiting in all_reduce\nThread MainThread:"}
+
+    dash, _clock = make_dashboard(stop=lambda: asked.append("stop"), stacks=stacks)
+    dash(RunStarted("run-1", 2, "/tmp/run-1", 0.0))
+    dash.tick()
+    assert not dash.stacks_button.disabled and dash.stacks.value == ""
+    dash.stacks_button.click()
+    deadline = time.monotonic() + 10
+    while "Stacks at" not in dash.stacks.value and time.monotonic() < deadline:
+        dash.flush()  # the answer comes from a thread of its own
+    assert asked == ["stacks"]  # nothing stopped
+    assert "waiting in all_reduce" in dash.stacks.value and "Thread MainThread" in dash.stacks.value
+    assert "Stacks" in dash.stacks_button.description and not dash.stacks_button.disabled
+    dash(RunEnded(RunState.SUCCEEDED, None, 1.0, 1.0))
+    dash.flush()
+    assert dash.stacks_button.disabled  # the ranks are gone
+
+
+def test_a_stall_warning_shows_the_stacks_and_the_collectives() -> None:
+    dash, _clock = make_dashboard()
+    dash(RunStarted("run-1", 2, "/tmp/run-1", 0.0))
+    stacks = {0: "rank 0: in train (t.py:9)\n  File t.py", 1: "rank 1: waiting in barrier\n"}
+    dash(StallWarning(121.0, stacks, {0: None, 1: "barrier"}, 1.0))
+    dash.flush()
+    assert "No rank printed, logged a metric or finished a step for 121 s" in dash.stacks.value
+    assert (
+        "rank 1: waiting in barrier" in dash.stacks.value and "The run goes on" in dash.stacks.value
+    )
 
 
 def test_final_summary_is_displayed_as_png_and_text(monkeypatch: pytest.MonkeyPatch) -> None:
