@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbaccel.config.schema import Config
-from nbaccel.events import EventWriter
+from nbaccel.frames import EventWriter
 from nbaccel.hardware.xla_plan import XlaPlan
 
 

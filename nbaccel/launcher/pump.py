@@ -39,7 +39,6 @@ from nbaccel.errors import HelperError
 from nbaccel.events import (
     DeviceMemory,
     Event,
-    FrameDecoder,
     LogLine,
     Metric,
     ModelPrepared,
@@ -52,11 +51,11 @@ from nbaccel.events import (
     RunState,
     SettingsApplied,
     StepBreakdown,
-    UnreadableFrame,
     WorkerFailed,
     WorkerMessage,
     WorkerStarted,
 )
+from nbaccel.frames import FrameDecoder, UnreadableFrame
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.stall import StallReports

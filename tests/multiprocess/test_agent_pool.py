@@ -24,7 +24,7 @@ TIMEOUT_S = 30.0
 # "leave" ends it as an agent that breaks would.
 STAND_IN = """
 import os, sys
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.frames import FrameDecoder, encode_frame
 print("a login banner")
 print('{"nbaccel_probe": 1, "python": "3.11.2"}', flush=True)
 decoder = FrameDecoder()

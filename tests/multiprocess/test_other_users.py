@@ -168,7 +168,8 @@ class FakeRun:
 
 def test_a_detached_runs_attach_channel_serves_only_this_user(shared_tmp: Path) -> None:
     # The supervisor's abstract socket name is listed in /proc/net/unix for every user.
-    from nbaccel.events import FrameDecoder, Metric
+    from nbaccel.events import Metric
+    from nbaccel.frames import FrameDecoder
     from nbaccel.launcher.detached.attach_server import AttachServer
 
     prefix = as_another_user()

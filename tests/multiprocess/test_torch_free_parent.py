@@ -95,7 +95,7 @@ def test_each_machine_of_a_per_node_job_stays_free_of_torch(tmp_path: Path) -> N
 
 REFUSE = """
 import sys
-from nbaccel.events import FrameDecoder, UnreadableFrame, encode_frame
+from nbaccel.frames import FrameDecoder, UnreadableFrame, encode_frame
 [message] = FrameDecoder().feed(bytes.fromhex({frame!r}))
 assert isinstance(message, UnreadableFrame), message
 print("REASON", message.reason)
@@ -117,6 +117,6 @@ def test_a_frame_naming_a_torch_class_is_refused_not_imported(tmp_path: Path) ->
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    from nbaccel.events import encode_frame
+    from nbaccel.frames import encode_frame
 
     return encode_frame(message)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
-from nbaccel.events import EventWriter, FrameDecoder, RunState, encode_frame
+from nbaccel.events import RunState
+from nbaccel.frames import EventWriter, FrameDecoder, encode_frame
 
 
 def test_decoder_reassembles_frames_split_anywhere() -> None:

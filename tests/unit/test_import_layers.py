@@ -5,9 +5,9 @@
                    and the worker-side facades of Accelerate's modules: nbaccel.utils,
                    nbaccel.logging (they may import nbaccel.accel; nothing imports them)
     sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
-    base           nbaccel.config, errors, events, unpickling, context, hardware (devices,
-                   xla_plan, memory_estimate), env_names, metrics, step_board, lazy_names:
-                   plain data, importing no side and no entry point
+    base           nbaccel.config, errors, events, frames, unpickling, context, hardware
+                   (devices, xla_plan, memory_estimate), env_names, metrics, step_board,
+                   lazy_names: plain data, importing no side and no entry point
 
 Every import counts, also those inside functions (a lazy import is still a dependency).
 Besides: the parent side never imports torch at module level, so ``import nbaccel`` and a
@@ -41,6 +41,7 @@ BASE = (
     "nbaccel.config",
     "nbaccel.errors",
     "nbaccel.events",
+    "nbaccel.frames",
     "nbaccel.unpickling",
     "nbaccel.context",
     "nbaccel.hardware",

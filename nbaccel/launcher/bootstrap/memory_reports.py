@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 import psutil
 
-from nbaccel.events import EventWriter
+from nbaccel.frames import EventWriter
 from nbaccel.launcher.bootstrap.device_memory import start_device_memory_reports
 
 
 def report_memory(events: EventWriter, host: str, rank: int, *, cuda: bool) -> Callable[[], None]:
     """Start reporting this process's device (``cuda``) or its memory; return ``stop()``.
 
-    >>> from nbaccel.events import FrameDecoder
+    >>> from nbaccel.frames import FrameDecoder
     >>> read_end, write_end = os.pipe()
     >>> stop = report_memory(EventWriter(write_end), "node2", 3, cuda=False)
     >>> stop()

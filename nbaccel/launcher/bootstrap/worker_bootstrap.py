@@ -28,7 +28,8 @@ import torch
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
-from nbaccel.events import EventWriter, ModulesImported, ResultReady, WorkerFailed
+from nbaccel.events import ModulesImported, ResultReady, WorkerFailed
+from nbaccel.frames import EventWriter
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.bootstrap import pickling, script
 from nbaccel.launcher.bootstrap.payload import read_payload

@@ -2,7 +2,7 @@
 
 Every rank of a run has one private, two-way channel to the kernel (a ``socketpair`` made by
 the ``Run`` beside the rank's log and event pipes, handed to the worker with them; through
-its agent for a rank on another host). Frames both ways are ``events.encode_frame`` dicts.
+its agent for a rank on another host). Frames both ways are ``frames.encode_frame`` dicts.
 
 The rank's side (``rank_channel.py``, ``rank_pdb.py``; stdlib only, torch never needed):
 a daemon thread blocked on the channel answers "stacks" (``stacks.py``) whatever the main

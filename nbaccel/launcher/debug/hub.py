@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.frames import FrameDecoder, encode_frame
 
 # How long a stop may wait for a thread to serve it before the run says where it waits
 # (``notebook_launcher`` takes it at once; a non-blocking launch waits for run.wait()).

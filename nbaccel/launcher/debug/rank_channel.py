@@ -31,7 +31,7 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.frames import FrameDecoder, encode_frame
 from nbaccel.launcher.debug.rank_pdb import ChannelPdb, Skipped
 from nbaccel.launcher.debug.stacks import stacks_now
 

@@ -4,7 +4,7 @@ A Unix socket in the abstract namespace (its name, random, is kept in the 0600
 ``run_dir/supervisor.json``): no file to clean up, no TCP port, and every connection is
 checked with ``SO_PEERCRED`` so only this user's processes are served. A client sends one
 line, ``follow``, ``stacks`` or ``stop``. ``follow`` gets what happened so far, then every new event
-as it happens (length-prefixed pickled ``{"event": Event}`` frames, ``events.encode_frame``)
+as it happens (length-prefixed pickled ``{"event": Event}`` frames, ``frames.encode_frame``)
 until the run ends. ``stacks`` gets ``{"stacks": {rank: text}}`` (``Run.stacks``: where each
 rank is now, nothing stopped). ``stop`` stops the run as ■ would. Stdlib only.
 """
@@ -17,15 +17,8 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from nbaccel.events import (
-    DeviceMemory,
-    Event,
-    LogLine,
-    Metric,
-    RunEnded,
-    StepBreakdown,
-    encode_frame,
-)
+from nbaccel.events import DeviceMemory, Event, LogLine, Metric, RunEnded, StepBreakdown
+from nbaccel.frames import encode_frame
 from nbaccel.launcher import control
 
 if TYPE_CHECKING:

@@ -22,7 +22,6 @@ from nbaccel.config.schema import Config, from_flat
 from nbaccel.errors import HelperError, RunCancelled
 from nbaccel.events import (
     Event,
-    FrameDecoder,
     LogLine,
     Metric,
     RankExited,
@@ -32,6 +31,7 @@ from nbaccel.events import (
     StepBreakdown,
     WorkerStarted,
 )
+from nbaccel.frames import FrameDecoder
 from nbaccel.launcher import control
 from nbaccel.launcher.run import Run
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import EventWriter, WorkerStarted
+from nbaccel.events import WorkerStarted
+from nbaccel.frames import EventWriter
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, run_payload
 from nbaccel.launcher.sharing.packing import take_shared

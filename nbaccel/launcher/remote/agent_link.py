@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from nbaccel.events import FrameDecoder, UnreadableFrame, encode_frame
+from nbaccel.frames import FrameDecoder, UnreadableFrame, encode_frame
 from nbaccel.launcher.remote.preflight import (
     AGENT_BOOT,
     PROBE_MARK,

@@ -3,7 +3,7 @@
 
 The kernel starts one per host over SSH (or ``srun``) and talks to it through the
 command's stdin and stdout only: nothing of nbaccel listens on the network, and only what
-the kernel's channel says is obeyed. Frames both ways are ``events.encode_frame`` dicts.
+the kernel's channel says is obeyed. Frames both ways are ``frames.encode_frame`` dicts.
 
 An agent serves one launch after another (the kernel keeps it between launches, as it keeps
 its local helper: ``agent_link.AgentPool``), so torch is imported and the SSH connection
@@ -50,7 +50,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.frames import FrameDecoder, encode_frame
 from nbaccel.launcher import control
 from nbaccel.launcher.remote.worker_streams import READ_SIZE, everything, read_hello, whole_frames
 

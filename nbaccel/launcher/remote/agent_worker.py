@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import EventWriter, Rank0Value, WorkerStarted, encode_frame
+from nbaccel.events import Rank0Value, WorkerStarted
+from nbaccel.frames import EventWriter, encode_frame
 from nbaccel.launcher.bootstrap.memory_reports import report_memory
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, run_payload

@@ -3,7 +3,7 @@ one hello frame (who it is: rank, channel, pid, attempt), then carries the rank'
 Output may be cut anywhere; events and debug frames go on whole only, so that a worker killed
 mid-frame leaves nothing half-written for the next attempt's worker of that rank.
 
->>> from nbaccel.events import encode_frame
+>>> from nbaccel.frames import encode_frame
 >>> whole, rest = whole_frames(encode_frame({"a": 1}) + b"cut")
 >>> len(rest)
 3
@@ -15,7 +15,7 @@ import pickle
 import socket
 from typing import Any
 
-from nbaccel.events import FRAME_HEADER as HEADER
+from nbaccel.frames import FRAME_HEADER as HEADER
 
 READ_SIZE = 1 << 16
 MAX_HELLO = 1 << 12

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from nbaccel.events import EventWriter
+from nbaccel.frames import EventWriter
 from nbaccel.hardware.xla_plan import XlaPlan, explain_xla_failure
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.worker_bootstrap import error_message

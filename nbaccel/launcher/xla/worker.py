@@ -23,7 +23,8 @@ from typing import Any, TextIO
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import EventWriter, WorkerStarted
+from nbaccel.events import WorkerStarted
+from nbaccel.frames import EventWriter
 from nbaccel.hardware.xla_plan import XlaPlan, explain_xla_failure
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal

@@ -9,7 +9,8 @@ import sys
 import types
 from pathlib import Path
 
-from nbaccel.events import Metric, RunState, encode_frame
+from nbaccel.events import Metric, RunState
+from nbaccel.frames import encode_frame
 from tests.unit.launcher.outcome.test_restarts import Started
 
 ELSEWHERE = "nbaccel_test_not_imported_here"

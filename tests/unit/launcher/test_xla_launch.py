@@ -19,14 +19,8 @@ import pytest
 import nbaccel
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import (
-    DeviceMemory,
-    EventWriter,
-    ResultReady,
-    RunState,
-    WorkerFailed,
-    WorkerStarted,
-)
+from nbaccel.events import DeviceMemory, ResultReady, RunState, WorkerFailed, WorkerStarted
+from nbaccel.frames import EventWriter
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
@@ -183,7 +177,7 @@ def test_a_rank_error_stops_the_whole_supervisor_group(tmp_path: Path) -> None:
 
 
 def read_events(fd: int) -> list[dict[str, Any]]:
-    from nbaccel.events import FrameDecoder
+    from nbaccel.frames import FrameDecoder
 
     data = b""
     while chunk := os.read(fd, 1 << 16):

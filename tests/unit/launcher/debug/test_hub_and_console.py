@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.frames import FrameDecoder, encode_frame
 from nbaccel.launcher.debug import hub as hub_module
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.hub import DebugHub

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from nbaccel.events import FrameDecoder, encode_frame
+from nbaccel.frames import FrameDecoder, encode_frame
 from nbaccel.launcher.debug.rank_channel import RankDebugger
 
 WAIT = 10.0  # every wait for the other end is bounded

@@ -19,7 +19,8 @@ import pytest
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import Event, EventWriter, ResultReady, RunRestarted, RunState, WorkerStarted
+from nbaccel.events import Event, ResultReady, RunRestarted, RunState, WorkerStarted
+from nbaccel.frames import EventWriter
 from nbaccel.launcher.bootstrap.worker_bootstrap import error_message
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.run import Run
