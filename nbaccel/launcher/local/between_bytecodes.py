@@ -34,11 +34,11 @@ def serving_while(fd: int, handler: Callable[[], None], every: float) -> Iterato
     >>> heard
     [b'spawn']
     """
-    inside = False
+    inside = done = False
 
     def signalled(*_: object) -> None:
         nonlocal inside
-        if inside:
+        if inside or done:
             return
         inside = True
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -58,6 +58,10 @@ def serving_while(fd: int, handler: Callable[[], None], every: float) -> Iterato
     try:
         yield
     finally:
+        # A signal handled from here on (Python runs handlers between any two bytecodes,
+        # these too) must not re-arm the timer after it is disarmed: with SIGALRM back to
+        # its default, the next tick would kill the helper (seen: "exited (code -14)").
+        done = True
         signal.setitimer(signal.ITIMER_REAL, 0)  # disarmed before SIG_DFL could kill us
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
         signal.signal(signal.SIGALRM, previous[signal.SIGALRM])
