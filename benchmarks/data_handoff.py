@@ -401,15 +401,21 @@ def main() -> None:
     if options.quick:
         options.rounds, options.warm, options.size, options.moves = 1, 2, 256 << 20, 2
     progress(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
-    samples: dict[str, Any] = {"launch": {}, "rates": {}, "copy": []}
+    samples: dict[str, Any] = {"launch": {}, "rates": {}, "copy": [], "failures": []}
     ways = ["nbaccel", "accelerate", "ipyparallel"]
     for index in range(options.rounds):
         for way in ways if index % 2 == 0 else ways[::-1]:
             progress(f"round {index + 1}/{options.rounds}: {way}")
-            one_round(way, options, samples)
+            try:
+                one_round(way, options, samples)
+            except (RuntimeError, TimeoutError) as error:  # a kernel's cell failed or hung
+                samples["failures"].append(f"round {index + 1} {way}: {error!s:.300}")
+                progress(f"  failed: {error!s:.300}")
     if options.json:
         options.json.write_text(json.dumps(samples, indent=1))
     print("\n".join(report(samples, options.size)))
+    for failure in samples["failures"]:
+        print(f"failed (left out of the medians): {failure}")
     print(f"\nload average after: {os.getloadavg()}")
 
 
