@@ -30,7 +30,10 @@ memory figures to a file (Accelerate's launcher returns no values).
 Rounds: each round starts one kernel per way (nbaccel, accelerate, ipyparallel), in an
 order reversed every other round, so the machine's drift falls on all alike. Medians over
 rounds; ratios of medians taken in the same run. The machine may be loaded (the load average
-is printed): compare ratios, rerun.
+is printed): compare ratios, rerun. The machine's policy for huge pages in shared memory is
+printed too: where it allows them (``advise``, ``within_size``, ``always``) a rank reads a
+segment as fast as a fork reads the kernel's arrays; with ``never`` (most distributions'
+default) through 4 KiB pages, ~0.1 s more per GiB here (docs/data.md).
 
 Goals (issue 31): warm launch using the data <= 1.0x Accelerate's; first launch <=
 Accelerate's + one copy of the data (the time of ``numpy.copy`` of it, measured here);
@@ -57,6 +60,8 @@ from typing import Any
 
 from bench_util import median, progress, verdict
 from relaunch_real_cell import Kernel
+
+from nbaccel.launcher.sharing.segments import SHMEM_HUGE_SETTING, shmem_huge_mode
 
 GIB = 1 << 30
 KINDS = ("numpy", "pandas", "dataset")
@@ -401,6 +406,7 @@ def main() -> None:
     if options.quick:
         options.rounds, options.warm, options.size, options.moves = 1, 2, 256 << 20, 2
     progress(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
+    progress(f"huge pages in shared memory ({SHMEM_HUGE_SETTING}): {shmem_huge_mode()}")
     samples: dict[str, Any] = {"launch": {}, "rates": {}, "copy": [], "failures": []}
     ways = ["nbaccel", "accelerate", "ipyparallel"]
     for index in range(options.rounds):

@@ -35,6 +35,9 @@ from typing import Any
 
 PAGE = mmap.PAGESIZE
 NAME = "nbaccel-data"  # how a segment shows in /proc/PID/fd: "/memfd:nbaccel-data (deleted)"
+# Where the machine's owner says whether shared memory may use transparent huge pages.
+SHMEM_HUGE_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+HUGE_PAGE = 2 << 20  # below this a segment cannot hold a huge page (x86-64, arm64 4K)
 
 
 def aligned(size: int) -> int:
@@ -71,8 +74,11 @@ class Segment:
         fd = os.memfd_create(NAME, os.MFD_CLOEXEC) if into is None else into
         try:
             os.ftruncate(fd, size)
-            for buffer, offset in zip(buffers, offsets, strict=True):
-                _pwrite_all(fd, buffer, offset)
+            if size >= HUGE_PAGE and shmem_huge_mode() == "advise":
+                _write_advised(fd, size, buffers, offsets)
+            else:
+                for buffer, offset in zip(buffers, offsets, strict=True):
+                    _pwrite_all(fd, buffer, offset)
         except BaseException:
             if into is None:
                 os.close(fd)
@@ -119,8 +125,45 @@ def read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def shmem_huge_mode(setting: str = SHMEM_HUGE_SETTING) -> str:
+    """The machine's policy for huge pages in shared memory: the word in brackets of
+    ``setting`` ("always", "within_size", "advise", "never"...; "never" where unreadable).
+
+    >>> shmem_huge_mode("/no/such/file")
+    'never'
+    """
+    try:
+        with open(setting, encoding="ascii") as file:
+            words = file.read().split()
+    except OSError:
+        return "never"
+    return next((word[1:-1] for word in words if word.startswith("[")), "never")
+
+
+def _write_advised(fd: int, size: int, buffers: Sequence[memoryview], offsets: list[int]) -> None:
+    # Where the policy is "advise", only memory written through a mapping marked
+    # MADV_HUGEPAGE gets 2 MiB pages (``pwrite`` gets 4 KiB ones). A rank reads a huge-page
+    # segment as fast as a fork reads the kernel's own arrays (numpy's are on huge pages):
+    # 1 GiB in 0.046 s here, against 0.15 s through 4 KiB pages, whose cost is the TLB, not
+    # the page faults (a child handed pre-faulted page tables reads no faster).
+    # "always" and "within_size" give huge pages to ``pwrite`` too; "never", to nothing.
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as target:
+        target.madvise(mmap.MADV_HUGEPAGE)
+        view = memoryview(target)
+        try:
+            for buffer, offset in zip(buffers, offsets, strict=True):
+                data = _as_bytes(buffer)
+                view[offset : offset + data.nbytes] = data
+        finally:
+            view.release()
+
+
+def _as_bytes(buffer: memoryview) -> memoryview:
+    return buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+
+
 def _pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
-    data = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+    data = _as_bytes(buffer)
     done = 0
     while done < data.nbytes:
         done += os.pwrite(fd, data[done:], offset + done)  # Linux writes <= 2 GiB per call
