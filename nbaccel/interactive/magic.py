@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import ast
 import linecache
-import re
 import shlex
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from nbaccel.errors import RemoteTraceback
-from nbaccel.launcher.interactive.calls import check_ranks
+from nbaccel.launcher.interactive.calls import check_ranks, raise_at_rank_line
 from nbaccel.launcher.interactive.workers import WorkerGroup, last_workers
 
 
@@ -158,34 +156,13 @@ def refuse_ipython_syntax(cell: str, transform: Callable[[str], str]) -> None:
     )
 
 
-_CELL_FRAME = re.compile(r'File "(<nbaccel cell \d+>)", line (\d+)')
-_TRACEBACK = "Traceback (most recent call last):"
-
-
 def raise_at_cell_line(error: BaseException, filename: str, cell: str) -> NoReturn:
-    """Raise a rank's ``error`` from the cell's line that failed on the rank, so IPython's
-    traceback ends at the user's line (as ``%%time`` ends at its ``<timed exec>``) and not in
-    nbaccel's frames. Other errors are raised as they are, and so is a SyntaxError (IPython
-    shows every frame of one, hidden or not, and the line it names)."""
+    """Raise a rank's ``error`` from the cell's line that failed on the rank
+    (``calls.raise_at_rank_line``), the cell's source known to the kernel's traceback."""
     __tracebackhide__ = True
-    cause = error.__cause__
-    if not isinstance(cause, RemoteTraceback) or isinstance(error, SyntaxError):
-        raise error
-    # The last exception of the rank's traceback (chained ones come first), outermost frame.
-    found = [
-        int(match.group(2))
-        for section in reversed(cause.text.split(_TRACEBACK))
-        for match in _CELL_FRAME.finditer(section)
-        if match.group(1) == filename
-    ][:1]
-    if not found:
-        raise error
     if filename not in linecache.cache:  # the kernel's traceback shows the line's source
         linecache.cache[filename] = (len(cell), None, cell.splitlines(keepends=True), filename)
-    # A frame that runs only ``raise``, numbered and named as the line on the rank.
-    code = compile("\n" * (found[0] - 1) + "raise __nbaccel_error__", filename, "exec")
-    exec(code, {"__nbaccel_error__": error.with_traceback(None)})
-    raise AssertionError("unreachable")  # pragma: no cover - the exec raised
+    raise_at_rank_line(error, filename)
 
 
 def running_cell(ipython: Any) -> int:

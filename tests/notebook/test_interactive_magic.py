@@ -208,6 +208,16 @@ def test_errors_name_the_cell_hide_nbaccel_and_refuse_what_cannot_run(
     for own in ("magic.py", "workers.py", "calls.py", "nbaccel/"):
         assert own not in after, text
 
+    # workers.run(f) from a cell: the traceback ends at f's line that failed on the rank.
+    reply, text = run_cell(kc, "def f():\n    return 1 / 0\n\nworkers.run(f)\n")
+    assert reply["status"] == "error" and reply["ename"] == "ZeroDivisionError", text
+    after = text.split("The above exception was the direct cause")[-1]
+    number = reply["execution_count"]
+    assert after.count(f"Cell In[{number}]") == 2, text  # the call, then f's line
+    assert after.index("----> 4 workers.run(f)") < after.index("----> 2     return 1 / 0"), text
+    for own in ("workers.py", "calls.py", "nbaccel/"):
+        assert own not in after, text
+
     # Refused before anything is sent: IPython syntax, ranks the workers do not have.
     ran = tmp_path / "ran"
     touch = f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n"

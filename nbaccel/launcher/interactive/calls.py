@@ -6,21 +6,23 @@ data read with ``unpickling.loads`` (the value inside stays bytes until the call
 ``build_cell_error`` turns the ranks' error reports into the exception a launch would raise
 (``outcome.failures``): the worker's type, ``[rank N]``, the remote traceback as its cause
 (and ``outcome.failures.note_kernel_name``'s note on a NameError for a name the kernel has);
-``check_ranks`` refuses ranks the workers do not have, before a call is sent.
+``check_ranks`` refuses ranks the workers do not have, before a call is sent;
+``raise_at_rank_line`` raises a rank's error from the user's line that failed on the rank.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import re
 import selectors
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from nbaccel import unpickling
-from nbaccel.errors import DebuggerQuit
+from nbaccel.errors import DebuggerQuit, RemoteTraceback
 from nbaccel.events import WorkerFailed
 from nbaccel.launcher.interactive.wire import recv_frame_fds, send_frame
 from nbaccel.launcher.outcome.failures import Failure, build_error, choose_culprit
@@ -167,3 +169,31 @@ def check_ranks(ranks: frozenset[int], world_size: int, asked: str) -> None:
             f"{asked} names {names}, but these workers have {have} (world size {world_size}): "
             "name some of those, or all."
         )
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def raise_at_rank_line(error: BaseException, filename: str) -> NoReturn:
+    """Raise a rank's ``error`` from the line of ``filename`` that failed on the rank (the
+    outermost such frame of its last exception), so IPython's traceback ends at the user's
+    line (as ``%%time`` ends at its ``<timed exec>``) and not in nbaccel: IPython shows the
+    frame that raises even when it is hidden. Raised as it is where the rank's traceback
+    names no such line, and a SyntaxError too (IPython shows every frame of one)."""
+    __tracebackhide__ = True
+    cause = error.__cause__
+    if not isinstance(cause, RemoteTraceback) or isinstance(error, SyntaxError):
+        raise error
+    found = [
+        int(match.group(2))
+        for section in reversed(cause.text.split(_TRACEBACK))
+        for match in _FRAME.finditer(section)
+        if match.group(1) == filename
+    ][:1]
+    if not found:
+        raise error
+    # A frame that runs only ``raise``, numbered and named as the line on the rank.
+    code = compile("\n" * (found[0] - 1) + "raise __nbaccel_error__", filename, "exec")
+    exec(code, {"__nbaccel_error__": error.with_traceback(None)})
+    raise AssertionError("unreachable")  # pragma: no cover - the exec raised

@@ -38,6 +38,7 @@ from nbaccel.launcher.interactive.calls import (
     Sender,
     build_cell_error,
     check_ranks,
+    raise_at_rank_line,
 )
 from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
 from nbaccel.launcher.interactive.ending import CallEnding, errors_of, shut
@@ -134,7 +135,13 @@ class WorkerGroup(CallEnding):
         # A cell's function takes the kernel's globals with it (serve.in_namespace's rule).
         by_value = isinstance(function, types.FunctionType) and function.__module__ == "__main__"
         names = function.__globals__ if by_value else None
-        return self._call({"op": "run"}, kernel_names=names, sending=(function, args, kwargs))
+        try:
+            return self._call({"op": "run"}, kernel_names=names, sending=(function, args, kwargs))
+        except Exception as error:
+            code = getattr(function, "__code__", None)
+            if code is None:
+                raise
+            raise_at_rank_line(error, code.co_filename)  # the traceback ends at its line
 
     def run_cell(
         self,
