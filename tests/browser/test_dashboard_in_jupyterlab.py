@@ -1,8 +1,9 @@
 """The live dashboard in a real JupyterLab: a 2-process ``nbaccel.launch`` from a cell.
 
-The training function logs a loss every step and shows a tqdm bar for ~6 s. While it runs,
-the dashboard must be rendered (no "Loading widget" / "Error displaying widget"), and its
-log and loss curve must change without any browser action; after the run, the header says
+The training function logs a loss every step and shows a tqdm bar for ~8 s. While it runs,
+the dashboard must be rendered (no "Loading widget" / "Error displaying widget"), its
+log and loss curve must change without any browser action, and a click on Stacks must show
+where each rank is (in ``train``) while the run goes on; after the run, the header says
 "succeeded" and the static summary (text and image) is in the cell output. Screenshots:
 ``browser-artifacts/test_dashboard_updates_live_and_leaves_a_summary/`` (``running.png``,
 ``final.png``: the page; ``final-output.png``: the launch cell's whole output;
@@ -24,11 +25,11 @@ from .conftest import LabPage, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
-STEPS = 120
+STEPS = 160
 TRAIN = textwrap.dedent(f"""
     import nbaccel
 
-    STEPS, DELAY = {STEPS}, 0.05  # ~6 s of training: long enough to watch it change
+    STEPS, DELAY = {STEPS}, 0.05  # ~8 s of training: long enough to watch it change
 
 
     def train():
@@ -121,6 +122,16 @@ def test_dashboard_updates_live_and_leaves_a_summary(lab_page: LabPage) -> None:
 
     wait_until(changed_while_running, 30, "the log and the curve to change while running")
     lab_page.mark("changed")
+    # Stacks: a click shows each rank's stack, its summary line naming the user's function.
+    view.root.locator(".nbaccel-stacks-button").click()
+    stacks = view.root.locator(".nbaccel-stacks")
+    wait_until(lambda: "Stacks at" in stacks.inner_text(), 30, "the stacks after the click")
+    stacks_text = stacks.inner_text()
+    assert "where each rank is now" in stacks_text, stacks_text
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: in train \(", stacks_text), stacks_text
+    lab_page.screenshot("stacks", stacks)
+    lab_page.mark("stacks")
     text = view.output_text()
     assert not [word for word in BROKEN if word in text], text
     assert "loss = " in view.metric_value.inner_text()
