@@ -10,7 +10,8 @@ memory is the machine's, as any process's is.
 
 Receivers map it private and writable (``MAP_PRIVATE``): reading shares the pages; a write
 copies the page it touches for that process alone, so a rank's write never reaches the
-kernel's data or another rank's (a fork gives the same). Stdlib only.
+kernel's data or another rank's (a fork gives the same). Segments of 2 MiB or more ask for
+huge pages, which the machine's policy may grant (``shmem_huge_mode``). Stdlib only.
 
 >>> segment, offsets = Segment.write([memoryview(b"abc"), memoryview(b"defg")])
 >>> offsets, segment.size == 2 * PAGE
