@@ -20,10 +20,10 @@ from typing import Any
 
 import nbaccel
 from nbaccel.config.files import accelerate_default_file, default_file, nbaccel_default_file
-from nbaccel.config.schema import Config
+from nbaccel.config.schema import Config, usable_cpu_cores
 from nbaccel.env_names import CONFIG_FILE_VAR
 from nbaccel.errors import ConfigError
-from nbaccel.hardware.devices import TPUInfo, detect_tpu, usable_cpu_cores, visible_gpu_count
+from nbaccel.hardware.devices import TPUInfo, detect_tpu, visible_gpu_count
 from nbaccel.hardware.xla_plan import check_versions, plan_xla, uses_xla
 
 PACKAGES: tuple[str, ...] = ("torch", "torch_xla", "accelerate", "cloudpickle", "psutil", "pyyaml")

@@ -11,8 +11,7 @@ import shlex
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nbaccel.config.schema import OVERSUBSCRIBE_FACTOR, Config, options
-from nbaccel.hardware.devices import usable_cpu_cores
+from nbaccel.config.schema import OVERSUBSCRIBE_FACTOR, Config, options, usable_cpu_cores
 
 Predicate = Callable[[Mapping[str, Any]], bool]
 

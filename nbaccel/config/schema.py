@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,15 @@ XLA_START_METHODS = ("spawn", "fork")
 # More CPU processes than this many per core is almost always a typo (num_processes=80 for
 # 8); each process would get a sliver of a core and the run crawls or runs out of memory.
 OVERSUBSCRIBE_FACTOR = 8
+
+
+def usable_cpu_cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count): what
+    ``OVERSUBSCRIBE_FACTOR`` multiplies, and what the launcher divides threads by."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

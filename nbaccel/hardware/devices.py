@@ -11,7 +11,6 @@ seconds and writes into ``os.environ``).
 from __future__ import annotations
 
 import functools
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -221,11 +220,3 @@ def loopback_interface() -> str | None:
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
             return name
     return None
-
-
-def usable_cpu_cores() -> int:
-    """Cores this process may run on (a container's CPU set, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1

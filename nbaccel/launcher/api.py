@@ -21,14 +21,13 @@ from typing import Any
 from nbaccel.config.accelerate.launcher_keywords import from_accelerate_keywords, processes_in_total
 from nbaccel.config.deepspeed.settings import deepspeed_config
 from nbaccel.config.resolve import ConfigSource, Resolved, resolve
-from nbaccel.config.schema import Config
+from nbaccel.config.schema import Config, usable_cpu_cores
 from nbaccel.errors import ConfigError
 from nbaccel.hardware.devices import (
     GpuChoice,
     choose_gpus,
     detect_tpu,
     loopback_interface,
-    usable_cpu_cores,
     visible_gpu_count,
 )
 from nbaccel.hardware.xla_plan import XlaPlan, plan_xla, uses_xla

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from nbaccel.config.accelerate.compat import accelerate_env
 from nbaccel.config.resolve import Resolved
-from nbaccel.config.schema import Config
+from nbaccel.config.schema import Config, usable_cpu_cores
 from nbaccel.context import ProcessContext
 from nbaccel.errors import ConfigError
-from nbaccel.hardware.devices import loopback_interface, usable_cpu_cores
+from nbaccel.hardware.devices import loopback_interface
 from nbaccel.hardware.xla_plan import xla_worker_env
 from nbaccel.launcher.local.helper import (
     held_helper,

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from nbaccel.config.accelerate.compat import accelerate_env
-from nbaccel.config.schema import Config
-from nbaccel.hardware.devices import choose_gpus, usable_cpu_cores, visible_gpu_count
+from nbaccel.config.schema import Config, usable_cpu_cores
+from nbaccel.hardware.devices import choose_gpus, visible_gpu_count
 from nbaccel.launcher.checks import check_gpus_suffice
 
 DEFAULT_MULTINODE_PORT = 29500

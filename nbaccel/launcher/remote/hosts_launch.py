@@ -19,10 +19,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 
 from nbaccel.config.accelerate.compat import accelerate_env
-from nbaccel.config.schema import Config
+from nbaccel.config.schema import Config, usable_cpu_cores
 from nbaccel.context import ProcessContext
 from nbaccel.errors import ConfigError
-from nbaccel.hardware.devices import loopback_interface, usable_cpu_cores
+from nbaccel.hardware.devices import loopback_interface
 from nbaccel.launcher.checks import check_gpus_suffice
 from nbaccel.launcher.planned import Display, HostPlacement, JobMachine, Planned
 from nbaccel.launcher.remote.agent_link import AGENTS
