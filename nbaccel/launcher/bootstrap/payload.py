@@ -88,17 +88,6 @@ def pack_call(
         raise SerializationError(_explain(function, args, kwargs, error)) from error
 
 
-def dumps_call(
-    function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> bytes:
-    """``(function, args, kwargs)`` pickled whole (no shared memory); SerializationError
-    names the variable that cannot travel."""
-    try:
-        return pickling.dumps((function, tuple(args), dict(kwargs)))
-    except Exception as error:
-        raise SerializationError(_explain(function, args, kwargs, error)) from error
-
-
 def _explain(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any], error: Exception
 ) -> str:

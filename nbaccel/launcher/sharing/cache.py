@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.launcher.sharing.packing import BufferRef, Dumps, Packed, split
+from nbaccel.launcher.sharing.packing import BufferRef, Dumps, Packed, close_fds, split
 from nbaccel.launcher.sharing.segments import Segment, aligned, buffer_address, same_bytes
 
 GIB = 1 << 30
@@ -49,11 +49,10 @@ class Placement:
 
     refs: tuple[BufferRef, ...]
     fds: list[int] = field(default_factory=list)
-    written: int = 0  # bytes copied into new segments (0: every buffer was there already)
 
     def __post_init__(self) -> None:
         # A plan dropped without starting (an error, a replaced payload) closes them too.
-        self._closer = weakref.finalize(self, _close_fds, list(self.fds))
+        self._closer = weakref.finalize(self, close_fds, list(self.fds))
 
     def close(self) -> None:
         self._closer()
@@ -62,15 +61,7 @@ class Placement:
     def __reduce__(self) -> tuple[Any, ...]:
         # The fd numbers as they are: a process started with them (``pass_fds``, a
         # detached run's supervisor) has the same numbers, and closes them in its turn.
-        return Placement, (self.refs, list(self.fds), self.written)
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        return Placement, (self.refs, list(self.fds))
 
 
 class Refused(Exception):
@@ -121,7 +112,6 @@ class SegmentCache:
                 else:
                     found.append(None)
             missing = [index for index, hit in enumerate(found) if hit is None]
-            written = 0
             if missing:
                 try:
                     segment, offsets = Segment.write([buffers[i] for i in missing])
@@ -131,7 +121,6 @@ class SegmentCache:
                         f"the workers ({error}), so they went through the pipe, a copy per "
                         "rank; free some memory, or set shared_memory_limit_gb=0 to stop trying"
                     ) from error
-                written = segment.size
                 self.bytes_written += sum(buffers[i].nbytes for i in missing)
                 self._segments[id(segment)] = segment
                 for index, offset in zip(missing, offsets, strict=True):
@@ -150,7 +139,7 @@ class SegmentCache:
                     order[id(segment)] = len(fds)
                     fds.append(os.dup(segment.fd))
                 refs.append((order[id(segment)], offset, buffer.nbytes))
-            return Placement(tuple(refs), fds, written)
+            return Placement(tuple(refs), fds)
 
     def clear(self) -> None:
         """Forget every entry and close every segment (runs keep what they mapped)."""
@@ -166,14 +155,14 @@ class SegmentCache:
         """``obj`` packed for this machine's ranks: its large buffers placed here (``limit``:
         the launch's ``shared_memory_limit_gb`` in bytes; 0 turns sharing off), or inside the
         pickle, with the reason when sharing was refused (a notice for the user)."""
+        if limit <= 0:  # sharing off: one plain pickle, no buffers split out
+            return Packed(dumps(obj, None)), None, None
         with self._lock:
             self._packing = True
             try:
                 kept = split(obj, dumps)
                 if not kept.buffers:
                     return Packed(kept.data), None, None
-                if limit <= 0:
-                    return Packed(dumps(obj, None)), None, None
                 try:
                     placement = self.place(kept.buffers, limit)
                 except Refused as why:
