@@ -13,7 +13,6 @@ import os
 import secrets
 import tempfile
 import time
-import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from nbaccel.hardware.devices import (
 from nbaccel.hardware.xla_plan import XlaPlan, plan_xla, uses_xla
 from nbaccel.launcher import checks
 from nbaccel.launcher.bootstrap.payload import build_payload
+from nbaccel.launcher.bootstrap.pickling import cell_globals
 from nbaccel.launcher.detached.start import start_detached
 from nbaccel.launcher.local.start import start_planned
 from nbaccel.launcher.planned import Display, Planned
@@ -65,8 +65,8 @@ def start(
     run = start_plan(plan(function, args, num_processes, kwargs, config, overrides), show=show)
     # A cell's function took the kernel's globals as they were: a NameError from a rank for
     # a name defined since says so (Run._value).
-    if isinstance(function, types.FunctionType) and function.__module__ == "__main__":
-        run.kernel_names = function.__globals__
+    if (names := cell_globals(function)) is not None:
+        run.kernel_names = names
     return run
 
 

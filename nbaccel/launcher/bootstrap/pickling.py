@@ -147,3 +147,16 @@ def _handle_message(obj: Any) -> str:
         f"{what} cannot travel to the workers: each is a separate process, which cannot use "
         f"this process's handle; {fix}"
     )
+
+
+def cell_globals(function: object) -> dict[str, Any] | None:
+    """The globals of a function defined in a cell (module ``__main__``), which travels by
+    value and takes them along as they are when it is sent; None for anything else.
+
+    >>> exec("def f(): pass", kernel := {"__name__": "__main__"})
+    >>> cell_globals(kernel["f"]) is kernel, cell_globals(len)
+    (True, None)
+    """
+    if isinstance(function, types.FunctionType) and function.__module__ == "__main__":
+        return function.__globals__
+    return None

@@ -37,6 +37,7 @@ import psutil
 import torch
 
 from nbaccel.context import active_session
+from nbaccel.launcher.bootstrap.pickling import cell_globals
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
 from nbaccel.launcher.bootstrap.worker_bootstrap import dump_result, error_message, pack_result
 from nbaccel.launcher.interactive.wire import (
@@ -167,9 +168,10 @@ def in_namespace(function: Any, namespace: dict[str, Any]) -> Any:
     >>> in_namespace(kernel["f"], namespace)(2), in_namespace(len, namespace)("ab")
     (20, 2)
     """
-    if not isinstance(function, types.FunctionType) or function.__module__ != "__main__":
+    kernel = cell_globals(function)
+    if kernel is None or not isinstance(function, types.FunctionType):
         return function
-    for name, value in function.__globals__.items():
+    for name, value in kernel.items():
         namespace.setdefault(name, value)
     rebound = types.FunctionType(
         function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__

@@ -19,7 +19,6 @@ import secrets
 import socket
 import sys
 import time
-import types
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,6 +31,7 @@ from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, pack_call
+from nbaccel.launcher.bootstrap.pickling import cell_globals
 from nbaccel.launcher.debug.console import nobody_to_type
 from nbaccel.launcher.interactive.calls import (
     Replies,
@@ -133,8 +133,7 @@ class WorkerGroup(CallEnding):
         """
         __tracebackhide__ = True  # IPython shows the cell, not nbaccel's frames
         # A cell's function takes the kernel's globals with it (serve.in_namespace's rule).
-        by_value = isinstance(function, types.FunctionType) and function.__module__ == "__main__"
-        names = function.__globals__ if by_value else None
+        names = cell_globals(function)
         try:
             return self._call({"op": "run"}, kernel_names=names, sending=(function, args, kwargs))
         except Exception as error:
