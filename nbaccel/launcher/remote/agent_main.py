@@ -190,38 +190,42 @@ class WorkerLinks:
             threading.Thread(target=self._forward, args=(conn,), daemon=True).start()
 
     def _forward(self, conn: socket.socket) -> None:
-        with conn:
-            hello, data = read_hello(conn)
-            if hello is None:
-                return
-            rank, pid, attempt = int(hello["rank"]), int(hello["pid"]), int(hello["attempt"])
-            op = hello["channel"] if hello["channel"] in ("log", "debug") else "events"
+        try:
+            self._forward_from(conn)
+        finally:
+            with self._lock:  # a rank's next channel (a restart) may have replaced it
+                self._debug = {r: c for r, c in self._debug.items() if c is not conn}
+            conn.close()
+
+    def _forward_from(self, conn: socket.socket) -> None:
+        hello, data = read_hello(conn)
+        if hello is None:
+            return
+        rank, pid, attempt = int(hello["rank"]), int(hello["pid"]), int(hello["attempt"])
+        op = hello["channel"] if hello["channel"] in ("log", "debug") else "events"
+        with self._lock:  # held while sending: "worker" goes before any of its bytes
             if op == "debug":
-                with self._lock:
-                    self._debug[rank] = conn  # the kernel's frames for the rank go there
-            with self._lock:  # held while sending: "worker" goes before any of its bytes
-                new = pid not in self._by_pid
-                self.pids[rank] = pid
-                self._forwarders.setdefault(rank, []).append(threading.current_thread())
-                self._by_pid.setdefault(pid, []).append(threading.current_thread())
-                if new:
-                    worker = {"op": "worker", "rank": rank, "pid": pid, "attempt": attempt}
-                    self._channel.send(worker)
+                self._debug[rank] = conn  # the kernel's frames for the rank go there
+            new = pid not in self._by_pid
+            self.pids[rank] = pid
+            self._forwarders.setdefault(rank, []).append(threading.current_thread())
+            self._by_pid.setdefault(pid, []).append(threading.current_thread())
             if new:
-                watcher = threading.Thread(
-                    target=self._watch, args=(rank, pid, attempt), daemon=True
-                )
-                with self._lock:
-                    self._watchers.append(watcher)
-                watcher.start()
-            whole = everything if op == "log" else whole_frames
-            pending = b""
-            while True:
-                ready, pending = whole(pending + data)
-                if ready:
-                    self._channel.send({"op": op, "rank": rank, "data": ready})
-                if not (data := conn.recv(READ_SIZE)):
-                    return  # an unfinished frame of a killed worker is dropped
+                worker = {"op": "worker", "rank": rank, "pid": pid, "attempt": attempt}
+                self._channel.send(worker)
+        if new:
+            watcher = threading.Thread(target=self._watch, args=(rank, pid, attempt), daemon=True)
+            with self._lock:
+                self._watchers.append(watcher)
+            watcher.start()
+        whole = everything if op == "log" else whole_frames
+        pending = b""
+        while True:
+            ready, pending = whole(pending + data)
+            if ready:
+                self._channel.send({"op": op, "rank": rank, "data": ready})
+            if not (data := conn.recv(READ_SIZE)):
+                return  # an unfinished frame of a killed worker is dropped
 
     def _watch(self, rank: int, pid: int, attempt: int) -> None:
         """Say when one worker process ends, with its status, after its last bytes."""
