@@ -240,7 +240,7 @@ class Run(RunPump):
     def _await_end(self, timeout: float | None) -> RunState:
         """``wait`` without serving debugger stops: for a run being stopped or closed, whose
         stopped ranks are ending, not to be typed into."""
-        if not wait_serving(None, None, self._done, timeout):
+        if not self._done.wait(timeout):
             raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
         return self._state
 

@@ -52,9 +52,8 @@ def nobody_to_type() -> str | None:
 class DebugConsole:
     """Serves the stops of one run's ranks in this process's cell or terminal.
 
-    ``host_of``: where a rank runs (None: this machine); ``prompt``/``write``: how a line is
-    read and output shown (``input`` and ``sys.stdout``; tests pass their own);
-    ``can_type``: why nobody can type now, or None.
+    ``prompt``/``write``: how a line is read and output shown (``input`` and ``sys.stdout``;
+    tests pass their own); ``can_type``: why nobody can type now, or None.
     """
 
     def __init__(

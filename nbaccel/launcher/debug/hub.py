@@ -113,12 +113,6 @@ class DebugHub:
         """Whether the run has ended (no stop will come any more)."""
         return self._closed
 
-    @property
-    def ranks(self) -> set[int]:
-        """The ranks that have a channel (still open)."""
-        with self._lock:
-            return set(self._socks)
-
     def start(self) -> None:
         """Read every rank's frames from now on (after the last ``open``)."""
         self._thread = threading.Thread(target=self._read, name="nbaccel-debug-hub", daemon=True)

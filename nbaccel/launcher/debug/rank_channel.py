@@ -204,16 +204,17 @@ class RankDebugger:
                 debugger.message(header)
             debugger.set_trace(frame)
 
-    def post_mortem(self, error: BaseException, where_from: str = "post_mortem") -> bool:
+    def post_mortem(self, error: BaseException) -> bool:
         """Open pdb at the frame that raised ``error``, if someone can answer; whether a
         session was held."""
         tb = error.__traceback__
         if tb is None:
             return False
         with self._session:
-            yes, why = self.ask(where_from, ChannelPdb._where(None, tb))
+            where = ChannelPdb._where(None, tb)
+            yes, why = self.ask("post_mortem", where)
             if not yes:
-                self.skipped(ChannelPdb._where(None, tb), why)
+                self.skipped(where, why)
                 return False
             debugger = self._pdb()
             debugger.message(f"{type(error).__name__}: {error}")
@@ -221,8 +222,7 @@ class RankDebugger:
             return True
 
     def _pdb(self) -> ChannelPdb:
-        debugger = _QuitNoting(self, f"[rank {self.rank} on {self.host}] (Pdb) ")
-        return debugger
+        return _QuitNoting(self, f"[rank {self.rank} on {self.host}] (Pdb) ")
 
 
 class _QuitNoting(ChannelPdb):
@@ -230,7 +230,7 @@ class _QuitNoting(ChannelPdb):
 
     def __init__(self, owner: RankDebugger, prompt: str) -> None:
         super().__init__(owner, prompt)
-        self._owner = owner
+        self._owner = owner  # ``link``, typed as the RankDebugger that keeps ``quit_where``
 
     def do_quit(self, arg: str) -> Any:
         frame = self.curframe

@@ -35,23 +35,23 @@ def wait_serving(
     """Wait until ``done`` (True) or ``timeout`` passes (False), serving the hub's stops
     meanwhile if no other thread serves them. A session in progress is held to its end,
     past the timeout: the user is typing in it."""
+    if hub is None or console is None or not hub.serving():
+        return done.wait(timeout)  # nothing to serve here: another thread does, or nobody
     deadline = None if timeout is None else time.monotonic() + timeout
-    serving = hub is not None and console is not None and hub.serving()
     try:
         prefer: int | None = None
         while not done.is_set():
             left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
             if left <= 0:
                 return False
-            stop = hub.next_stop(left, prefer) if serving and hub is not None else None
-            if stop is not None and console is not None:
+            stop = hub.next_stop(left, prefer)
+            if stop is not None:
                 prefer = stop.rank if console.serve(stop) else None
-            elif not serving or (hub is not None and hub.closed):
+            elif hub.closed:
                 done.wait(left)
         return True
     finally:
-        if serving and hub is not None:
-            hub.done_serving()
+        hub.done_serving()
 
 
 def serve_pending(hub: DebugHub | None, console: DebugConsole | None) -> None:
