@@ -272,12 +272,13 @@ def test_a_helper_made_unsafe_starts_its_spares_from_a_fresh_interpreter(tmp_pat
 import socket, psutil
 from nbaccel.launcher import control
 from nbaccel.launcher.local.helper_main import Helper
+from nbaccel.launcher.local.successor import ParentWatch
 
 # What HelperProcess gives the helper: the package's folder on PYTHONPATH.
 root = os.path.dirname(os.path.dirname(nbaccel.__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join([root, os.environ["PYTHONPATH"]])
 ours, theirs = control.socket_pair()
-helper = Helper(theirs, os.getpid())
+helper = Helper(theirs, ParentWatch(os.getpid(), child=False))
 helper.preloader.unsafe = "preloading thready: it started a thread at import"
 pid = helper.fork_spare()
 spare = psutil.Process(pid)
