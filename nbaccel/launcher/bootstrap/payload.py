@@ -42,6 +42,11 @@ class Payload:
     shared: Placement | None = None
     notice: str | None = None
 
+    @property
+    def data_fds(self) -> list[int]:
+        """The segments' fds, in the order the buffers refer to them (none: nothing shared)."""
+        return self.shared.fds if self.shared is not None else []
+
     def close(self) -> None:
         """Close this process's fds of the segments (once handed to every worker)."""
         if self.shared is not None:

@@ -40,7 +40,6 @@ def start_detached(planned: Planned, *, show: Display) -> Run:
     package_root = str(Path(__file__).resolve().parents[3])  # above nbaccel/launcher/detached
     env = dict(planned.env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    shared = planned.payload.shared
     try:
         supervisor = subprocess.Popen(
             [sys.executable, "-m", "nbaccel.launcher.detached.supervisor_main", plan_file],
@@ -52,7 +51,7 @@ def start_detached(planned: Planned, *, show: Display) -> Run:
             start_new_session=True,  # the kernel's interrupt and death must not reach it
             # The payload's shared-memory segments, under the same numbers (the plan names
             # them): the supervisor holds them while its run lasts, whatever the kernel does.
-            pass_fds=shared.fds if shared is not None else (),
+            pass_fds=planned.payload.data_fds,
         )
     except BaseException:
         os.unlink(plan_file)

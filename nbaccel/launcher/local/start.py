@@ -65,7 +65,7 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
         ]
         # torch_xla's rank 0 serves its own store on MASTER_PORT: the port is released for it
         # when this block ends, just before its workers start (they take seconds to import).
-        data_fds = payload.shared.fds if payload.shared is not None else []
+        data_fds = payload.data_fds
         # The helper again, held: the same one, or its replacement if it retired meanwhile
         # (a library it preloaded was unsafe); one that retires from now on serves this run.
         try:

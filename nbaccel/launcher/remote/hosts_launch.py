@@ -79,7 +79,7 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
             payload_file.write(payload.data)
             payload_file.flush()
             requests = [{"context": _context(planned, r)} for r in ranks]
-            data_fds = payload.shared.fds if payload.shared is not None else []
+            data_fds = payload.data_fds
             try:  # each agent receives the segments' bytes once and shares them on its host
                 run.start(starter, requests, payload_file.fileno(), None, data_fds)
             finally:
