@@ -130,3 +130,14 @@ def later_samples(
         failures += "error" in sample
         samples.append(sample)
     return samples
+
+
+# A cell's (or a script's) helper, defined untimed beside the function: a free port for
+# Accelerate's use_port and torchrun.
+FREE_PORT = (
+    "def _free_port():\n"
+    "    import socket\n"
+    "    with socket.socket() as s:\n"
+    "        s.bind(('127.0.0.1', 0))\n"
+    "        return s.getsockname()[1]\n"
+)

@@ -99,7 +99,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_util import median, progress, seconds, verdict
+from bench_util import FREE_PORT, median, progress, seconds, verdict
 from relaunch_script import run_script_loop, script_per_launch, script_rows
 
 WORLD_SIZE = 2
@@ -162,14 +162,7 @@ def train():
             dist.destroy_process_group()
 """
 
-# Defined with the function (cell 2), untimed: a free port, and torchrun from the kernel.
-FREE_PORT = (
-    "def _free_port():\n"
-    "    import socket\n"
-    "    with socket.socket() as s:\n"
-    "        s.bind(('127.0.0.1', 0))\n"
-    "        return s.getsockname()[1]\n"
-)
+# Defined with the function (cell 2), untimed: torchrun from the kernel (and FREE_PORT).
 TORCHRUN = f"""
 def _torchrun(script, port):
     import subprocess, sys

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_util import median, run_command
+from bench_util import FREE_PORT, median, run_command
 
 SCRIPT_TIMEOUT_S = 600.0  # the whole script: imports, and every launch
 
@@ -39,13 +39,6 @@ CALLS = {
     "script accelerate": "accelerate.notebook_launcher(train, num_processes=2, "
     "use_port=str(_free_port()))",
 }
-FREE_PORT = (
-    "def _free_port():\n"
-    "    import socket\n"
-    "    with socket.socket() as s:\n"
-    "        s.bind(('127.0.0.1', 0))\n"
-    "        return s.getsockname()[1]\n"
-)
 
 
 def script_source(way: str, train_source: str, launches: int, runs: str) -> str:
