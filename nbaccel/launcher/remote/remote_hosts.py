@@ -212,6 +212,8 @@ class RemoteHosts:
     def _send_start(self, index: int, port: int | None) -> None:
         self._sent[index] = True
         self._send(index, self._start_message(index, port))
+        if all(self._sent):
+            self._data = []  # every host has its copy: the kernel holds none for the run
 
     def _send(self, index: int, message: dict[str, Any]) -> None:
         with self._lock:
