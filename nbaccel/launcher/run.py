@@ -314,7 +314,7 @@ class Run(RunPump):
                 fds = [payload_fd, log_write, event_write, debug, *rendezvous, *data_fds, *box]
                 shared = shared_fds(len(data_fds), box=bool(box))
                 message = {**request, **shared, "run": self.run_id, "rank": rank}
-                helper.spawn({**message, "debug_channel": True}, fds)
+                helper.spawn(message, fds)
                 for fd in child_fds:
                     os.close(fd)
                 child_fds.clear()

@@ -44,9 +44,10 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     # payload's shared-memory segments and this rank's result box (sharing.packing).
     fds, data_fds, box = take_shared(fds, request)
     payload_fd, log_fd, events_fd, *rest = fds
-    # The rank's end of its debug channel (launcher/debug/), before rank 0's listening socket.
-    debug_fd = rest.pop(0) if request.get("debug_channel") else None
     supervisor = "xla_plan" in request
+    # A rank's end of its debug channel (launcher/debug/), before rank 0's listening socket;
+    # a torch_xla supervisor's ranks have none.
+    debug_fd = None if supervisor else rest.pop(0)
     # A supervisor writes into rank 0's log too, and hands that pipe on to rank 0's worker.
     capture_output(os.dup(log_fd) if supervisor else log_fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)

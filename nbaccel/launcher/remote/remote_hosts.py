@@ -136,8 +136,7 @@ class RemoteHosts:
                 # once and shares them with its host's ranks (agent_run).
                 self._data = [read_all(fd) for fd in data_fds]
             self._pipes[rank] = (os.dup(fds[1]), os.dup(fds[2]))
-            if request.get("debug_channel"):
-                self._debug.add(rank, os.dup(fds[3]))
+            self._debug.add(rank, os.dup(fds[3]))  # every rank's spawn carries its channel
             complete = len(self._pipes) == self.world_size
         if complete:
             self._debug.start()
