@@ -23,13 +23,9 @@ from nbaccel.events import Notice, RunStarted, RunState
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.hub import DebugHub
+from nbaccel.launcher.debug.stacks import STACKS_TIMEOUT
 from nbaccel.launcher.debug.stall import StallWatch
-from nbaccel.launcher.debug.waiting import (
-    STACKS_TIMEOUT,
-    collect_stacks,
-    serve_pending,
-    wait_serving,
-)
+from nbaccel.launcher.debug.waiting import collect_stacks, serve_pending, wait_serving
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import note_kernel_name
 from nbaccel.launcher.outcome.restarts import Attempts

@@ -19,6 +19,7 @@ import traceback
 from types import FrameType
 from typing import Any
 
+STACKS_TIMEOUT = 2.0  # how long a rank's channel may take to answer "stacks"
 _NBACCEL = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LAUNCHER = os.path.join(_NBACCEL, "launcher") + os.sep
 _THREADING = os.path.abspath(threading.__file__)

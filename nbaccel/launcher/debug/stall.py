@@ -17,9 +17,7 @@ from typing import Any
 from nbaccel.errors import CollectiveTimeout
 from nbaccel.events import Event, Notice, StallWarning
 from nbaccel.launcher.debug.hub import DebugHub
-from nbaccel.launcher.debug.stacks import describe
-
-STALL_STACKS_TIMEOUT = 2.0  # how long a rank's channel may take to answer the stall's ask
+from nbaccel.launcher.debug.stacks import STACKS_TIMEOUT, describe
 
 
 class StallWatch:
@@ -92,7 +90,7 @@ class StallReports:
         def answered(got: dict[int, dict[str, Any]]) -> None:
             self._post({"op": "stall", "answers": got, "asked": live, "seconds": seconds})
 
-        hub.request_stacks(live, STALL_STACKS_TIMEOUT, answered)
+        hub.request_stacks(live, STACKS_TIMEOUT, answered)
 
     def _on_stall_message(self, message: dict[str, Any]) -> None:
         if message["op"] == "notice":
@@ -109,7 +107,7 @@ class StallReports:
                 stacks[rank] = describe(rank, self.host_of(rank), answers[rank])
             else:
                 stacks[rank] = (
-                    f"rank {rank}: no answer within {STALL_STACKS_TIMEOUT:g} s (a thread holds "
+                    f"rank {rank}: no answer within {STACKS_TIMEOUT:g} s (a thread holds "
                     "the GIL in C code?); run.stacks() reads faulthandler's dump from its log."
                 )
         waits = {rank: answers.get(rank, {}).get("waits_in") for rank in asked}

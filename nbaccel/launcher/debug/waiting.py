@@ -19,9 +19,8 @@ from pathlib import Path
 
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.hub import STEP_PATIENCE, DebugHub
-from nbaccel.launcher.debug.stacks import describe
+from nbaccel.launcher.debug.stacks import STACKS_TIMEOUT, describe
 
-STACKS_TIMEOUT = 2.0  # how long a rank's channel may take to answer "stacks"
 DUMP_TIMEOUT = 2.0  # then how long faulthandler's dump may take to reach its log
 _DUMP_HEADER = "(most recent call first)"
 
