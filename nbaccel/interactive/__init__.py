@@ -62,7 +62,7 @@ class Workers(WorkerGroup):
 
         # The ranks whose output this call shows, as the text output shows them: one rank's
         # log, or several ranks' lines together, labelled.
-        visible = run.shown_ranks() if show_ranks is None else (show_ranks or None)
+        visible = self._shown(run, show_ranks)
         shown = sorted(visible) if visible is not None else list(run.ranks)
         parts: list[Subscriber] = []  # the dashboard, and on several machines its memory
         attach_dashboard(

@@ -289,8 +289,13 @@ class WorkerGroup(CallEnding):
     def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
         """What shows one call's output and events, in the calling cell: rank-labelled text
         here; ``nbaccel.Workers`` shows a dashboard per call in a kernel with widgets."""
-        ranks = run.shown_ranks() if show_ranks is None else (show_ranks or None)
-        return TextPrinter(sys.stdout, ranks, announce_end=False)
+        return TextPrinter(sys.stdout, self._shown(run, show_ranks), announce_end=False)
+
+    @staticmethod
+    def _shown(run: Run, show_ranks: frozenset[int] | None) -> frozenset[int] | None:
+        """Whose output a call shows: ``show_ranks`` (empty: every rank, None), else the
+        run's ``log_ranks``."""
+        return run.shown_ranks() if show_ranks is None else (show_ranks or None)
 
     def _subscribe_relay(self, run: Run, gpus: int) -> None:
         self._gpus = gpus
