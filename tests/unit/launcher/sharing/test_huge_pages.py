@@ -1,11 +1,10 @@
-"""Segments ask for huge pages where the machine's policy is "advise" (a rank reads them as
-fast as a fork reads the kernel's arrays), and hold the same bytes whichever way they are
-written."""
+"""Segments are held in huge pages and mapped at huge-page boundaries where the kernel allows
+(a rank reads them as fast as a fork reads the kernel's arrays), and hold the same bytes
+whichever way they are written."""
 
 from __future__ import annotations
 
-import mmap
-import os
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ def test_the_policy_is_the_bracketed_word(tmp_path: Path, text: str, mode: str) 
     assert shmem_huge_mode(str(setting)) == mode
 
 
-@pytest.mark.parametrize("mode", ["never", "advise", "within_size"])
+@pytest.mark.parametrize("mode", ["never", "advise", "within_size", "deny"])
 def test_every_way_of_writing_holds_the_same_bytes(
     monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
@@ -49,16 +48,47 @@ def test_every_way_of_writing_holds_the_same_bytes(
         segment.close()
 
 
-def test_advised_writes_get_huge_pages_where_the_policy_allows() -> None:
-    if shmem_huge_mode() not in ("advise", "within_size", "always"):
-        pytest.skip(f"this machine's {segments.SHMEM_HUGE_SETTING} is {shmem_huge_mode()!r}")
-    data = np.ones((8 << 20) // 4, dtype=np.float32)
+def _huge_kib_mapped_at(address: int) -> int:
+    """KiB mapped through huge pages in this process's mapping that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header: "start-end perms ..."
+            low, high = (int(part, 16) for part in first.split("-"))
+            inside = low <= address < high
+        elif inside and first == "ShmemPmdMapped:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _kernel_collapses() -> bool:
+    major, minor = (int(part) for part in platform.release().split(".")[:2])
+    return (major, minor) >= (6, 1)
+
+
+def test_segments_are_held_and_mapped_in_huge_pages_where_the_kernel_allows() -> None:
+    mode = shmem_huge_mode()
+    if mode == "deny" or (mode == "never" and not _kernel_collapses()):
+        pytest.skip(f"{segments.SHMEM_HUGE_SETTING} is {mode!r} on Linux {platform.release()}")
+    data = np.ones((8 << 20) // 4 + 3, dtype=np.float32)  # 4 huge pages and a tail
     segment, _ = Segment.write([memoryview(data)])
     try:
-        with mmap.mmap(segment.fd, segment.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
-            np.frombuffer(m, dtype=np.float32).sum()  # map it: the pages show in smaps
-            smaps = Path(f"/proc/{os.getpid()}/smaps_rollup").read_text()
-        huge = [line.split()[1] for line in smaps.splitlines() if "ShmemPmdMapped" in line]
-        assert int(huge[0]) >= 2048  # KiB mapped through huge pages
+        for view in (map_private(segment.fd), segment.view()):  # a rank's, the kernel's
+            assert segments.buffer_address(view) % segments.HUGE_PAGE == 0
+            assert np.frombuffer(view, dtype=np.float32, count=data.size).sum() == data.size
+            assert _huge_kib_mapped_at(segments.buffer_address(view)) == 8 << 10
+    finally:
+        segment.close()
+
+
+def test_a_rank_s_write_into_a_huge_page_stays_its_own() -> None:
+    data = np.zeros((4 << 20) // 8, dtype=np.float64)
+    segment, _ = Segment.write([memoryview(data)])
+    try:
+        mine = np.frombuffer(map_private(segment.fd), dtype=np.float64)
+        mine[1000] = 7.0  # copies one page for this mapping, whatever held it
+        assert np.frombuffer(map_private(segment.fd), dtype=np.float64)[1000] == 0.0
+        assert np.frombuffer(segment.view(), dtype=np.float64).sum() == 0.0
+        assert mine.sum() == 7.0
     finally:
         segment.close()
