@@ -7,9 +7,9 @@ them into the pickle. ``segments`` puts such buffers into memfd segments (anonym
 memory: no name, no file, gone when the last process holding it closes it) and maps them
 in each rank, copy-on-write; ``packing`` joins the small pickle and its buffer references
 into what travels, and reads it back; ``cache`` keeps the kernel's segments between
-launches, so data that did not change is not copied again.
+launches, so data that did not change (``digests`` tells) is not copied again.
 
-The lowest room of the launcher: stdlib only (torch only through ``sys.modules``, where a
-process already has it), imports nothing of the launcher. ``bootstrap`` (payload, worker
+The lowest room of the launcher: stdlib and xxhash only (torch only through
+``sys.modules``, where a process already has it), imports nothing of the launcher. ``bootstrap`` (payload, worker
 side), ``local``, ``remote``, ``detached`` and ``interactive`` call it.
 """

@@ -2,17 +2,17 @@
 
 A launch (or ``Workers.push``) hands ``SegmentCache.place`` the large buffers its pickle
 kept out. Each buffer is looked up by where it lies in this process and its length; a hit
-counts only if the bytes are still the same (libc's ``memcmp`` against the segment: ~0.05-0.1
-s per GiB here), so an array changed in place between two launches is written again, and
-an unchanged one costs a comparison instead of a copy. The buffers not found go into one new
-segment. Entries go when their array is garbage-collected (a weak reference to the numpy
-array, tensor... that handed the buffer out); where that object lives only as long as one
-pickle (pyarrow makes a buffer object for each, over memory the table owns) the entry stays
-as long as launches keep sending its data, and goes at the first that does not. The least
-recently used go when the segments kept would pass the launch's limit
-(``shared_memory_limit_gb``; by default half of the machine's memory). Data larger than the
-limit is not shared at all: ``place`` says why, and the caller sends it inside the pickle,
-as before.
+counts only if the bytes are still the same (their digest against the one taken when they
+were written, ``digests``: ~0.02-0.03 s per GiB here), so an array changed in place between
+two launches is written again, and an unchanged one costs a digest instead of a copy. The
+buffers not found go into one new segment. Entries go when their array is garbage-collected
+(a weak reference to the numpy array, tensor... that handed the buffer out); where that
+object lives only as long as one pickle (pyarrow makes a buffer object for each, over memory
+the table owns) the entry stays as long as launches keep sending its data, and goes at the
+first that does not. The least recently used go when the segments kept would pass the
+launch's limit (``shared_memory_limit_gb``; by default half of the machine's memory). Data
+larger than the limit is not shared at all: ``place`` says why, and the caller sends it
+inside the pickle, as before.
 
 Closing a segment here never takes data from a run: each rank mapped it, and the mapping
 keeps the pages. This is a resource cache, like the helper process: it holds no settings.
@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbaccel.launcher.sharing.digests import digest
 from nbaccel.launcher.sharing.packing import BufferRef, Dumps, Packed, close_fds, split
-from nbaccel.launcher.sharing.segments import Segment, aligned, buffer_address, same_bytes
+from nbaccel.launcher.sharing.segments import Segment, aligned, buffer_address
 
 GIB = 1 << 30
 
@@ -38,6 +39,7 @@ class _Entry:
     segment: Segment
     offset: int
     length: int
+    digest: bytes  # of the bytes written (``digests``)
     owner: weakref.ref[object] | None  # None: the object that handed out the buffer is gone
     used: int = 0  # the last placement that used it
 
@@ -99,14 +101,11 @@ class SegmentCache:
             self._placements += 1
             now = self._placements
             found: list[tuple[Segment, int] | None] = []
-            keys = []
-            for buffer in buffers:
-                key = (buffer_address(buffer), buffer.nbytes)
-                keys.append(key)
+            keys = [(buffer_address(buffer), buffer.nbytes) for buffer in buffers]
+            digests = [digest(buffer) for buffer in buffers]
+            for key, now_digest in zip(keys, digests, strict=True):
                 entry = self._entries.get(key)
-                if entry is not None and same_bytes(
-                    key[0], buffer_address(entry.segment.view()) + entry.offset, key[1]
-                ):
+                if entry is not None and entry.digest == now_digest:
                     entry.used = now
                     found.append((entry.segment, entry.offset))
                 else:
@@ -125,7 +124,9 @@ class SegmentCache:
                 self._segments[id(segment)] = segment
                 for index, offset in zip(missing, offsets, strict=True):
                     found[index] = (segment, offset)
-                    self._remember(keys[index], buffers[index], segment, offset, now)
+                    self._remember(
+                        keys[index], buffers[index], digests[index], segment, offset, now
+                    )
             used = {id(hit[0]) for hit in found if hit is not None}
             self._drop_orphans(now)
             self._evict(limit, keep=used)
@@ -174,7 +175,13 @@ class SegmentCache:
                 self._packing = False
 
     def _remember(
-        self, key: tuple[int, int], buffer: memoryview, segment: Segment, offset: int, now: int
+        self,
+        key: tuple[int, int],
+        buffer: memoryview,
+        content: bytes,
+        segment: Segment,
+        offset: int,
+        now: int,
     ) -> None:
         old = self._entries.pop(key, None)
         owner: weakref.ref[object] | None = None
@@ -182,7 +189,7 @@ class SegmentCache:
             owner = weakref.ref(buffer.obj, lambda _: self._forget(key, owner))
         except TypeError:
             pass  # an owner without weak references: kept while launches use it
-        self._entries[key] = _Entry(segment, offset, buffer.nbytes, owner, now)
+        self._entries[key] = _Entry(segment, offset, buffer.nbytes, content, owner, now)
         if old is not None:
             self._close_unused(old.segment)
 

@@ -55,13 +55,11 @@ def aligned(size: int) -> int:
 
 
 class Segment:
-    """A memfd this process owns (its fd closes with ``close``), and a read-only view of it
-    for comparing (``view``), mapped on first use."""
+    """A memfd this process owns (its fd closes with ``close``)."""
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
-        self._view: memoryview | None = None
 
     @classmethod
     def write(
@@ -90,17 +88,8 @@ class Segment:
             raise
         return cls(fd, size), offsets
 
-    def view(self) -> memoryview:
-        """The segment's bytes, read-only and shared (for comparing, never for writing)."""
-        if self._view is None:
-            self._view = _map(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
-        return self._view
-
     def close(self) -> None:
         """Close this process's fd (processes that mapped or hold it keep their pages)."""
-        if self._view is not None:
-            self._view.release()  # the map itself goes once nothing else views it
-            self._view = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -126,7 +115,7 @@ def _map(fd: int, size: int, flags: int, prot: int) -> memoryview:
     room = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=prot)
     start = buffer_address(memoryview(room))
     skip = -start % HUGE_PAGE
-    libc_mmap = _capi()[3]
+    libc_mmap = _capi()[2]
     if libc_mmap(start + skip, size, prot, flags | MAP_FIXED, fd, 0) != start + skip:
         errno = ctypes.get_errno()
         room.close()
@@ -181,7 +170,7 @@ def _write_huge(fd: int, size: int, buffers: Sequence[memoryview], offsets: list
                 os.pwrite(fd, b"\0", offset)
             _advise(target, MADV_COLLAPSE, whole)
         for buffer, offset in zip(buffers, offsets, strict=True):
-            data = _as_bytes(buffer)
+            data = as_bytes(buffer)
             target[offset : offset + data.nbytes] = data
     finally:
         target.release()
@@ -189,16 +178,21 @@ def _write_huge(fd: int, size: int, buffers: Sequence[memoryview], offsets: list
 
 def _advise(view: memoryview, advice: int, size: int) -> None:
     # Advice only: where it is refused the memory still works, on 4 KiB pages.
-    madvise = _capi()[4]
+    madvise = _capi()[3]
     madvise(buffer_address(view), size, advice)
 
 
-def _as_bytes(buffer: memoryview) -> memoryview:
+def as_bytes(buffer: memoryview) -> memoryview:
+    """A contiguous buffer as its bytes (format "B", one dimension), without a copy.
+
+    >>> as_bytes(memoryview(bytearray(8)).cast("d")).nbytes, as_bytes(memoryview(b"ab")).format
+    (8, 'B')
+    """
     return buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
 
 
 def _pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
-    data = _as_bytes(buffer)
+    data = as_bytes(buffer)
     done = 0
     while done < data.nbytes:
         done += os.pwrite(fd, data[done:], offset + done)  # Linux writes <= 2 GiB per call
@@ -223,16 +217,13 @@ class _PyBuffer(ctypes.Structure):
 
 
 @functools.cache
-def _capi() -> tuple[Any, Any, Any, Any, Any]:
+def _capi() -> tuple[Any, Any, Any, Any]:
     get = ctypes.pythonapi.PyObject_GetBuffer
     get.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
     get.restype = ctypes.c_int
     release = ctypes.pythonapi.PyBuffer_Release
     release.argtypes = [ctypes.POINTER(_PyBuffer)]
     release.restype = None
-    memcmp = ctypes.CDLL(None).memcmp  # libc's: ~10 GB/s, and it releases the GIL
-    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    memcmp.restype = ctypes.c_int
     libc = ctypes.CDLL(None, use_errno=True)
     libc_mmap = libc.mmap
     libc_mmap.argtypes = [
@@ -247,7 +238,7 @@ def _capi() -> tuple[Any, Any, Any, Any, Any]:
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    return get, release, memcmp, libc_mmap, madvise
+    return get, release, libc_mmap, madvise
 
 
 def buffer_address(buffer: memoryview) -> int:
@@ -266,14 +257,3 @@ def buffer_address(buffer: memoryview) -> int:
         return int(view.buf or 0)
     finally:
         release(ctypes.byref(view))
-
-
-def same_bytes(first: int, second: int, size: int) -> bool:
-    """Whether ``size`` bytes at two addresses of this process are equal (libc's memcmp:
-    a 1 GiB comparison takes ~0.05-0.1 s here).
-
-    >>> a, b = memoryview(b"same"), memoryview(bytearray(b"same"))
-    >>> same_bytes(buffer_address(a), buffer_address(b), 4)
-    True
-    """
-    return size == 0 or _capi()[2](first, second, size) == 0

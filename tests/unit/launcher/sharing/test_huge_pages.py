@@ -73,10 +73,10 @@ def test_segments_are_held_and_mapped_in_huge_pages_where_the_kernel_allows() ->
     data = np.ones((8 << 20) // 4 + 3, dtype=np.float32)  # 4 huge pages and a tail
     segment, _ = Segment.write([memoryview(data)])
     try:
-        for view in (map_private(segment.fd), segment.view()):  # a rank's, the kernel's
-            assert segments.buffer_address(view) % segments.HUGE_PAGE == 0
-            assert np.frombuffer(view, dtype=np.float32, count=data.size).sum() == data.size
-            assert _huge_kib_mapped_at(segments.buffer_address(view)) == 8 << 10
+        view = map_private(segment.fd)  # as a rank maps it
+        assert segments.buffer_address(view) % segments.HUGE_PAGE == 0
+        assert np.frombuffer(view, dtype=np.float32, count=data.size).sum() == data.size
+        assert _huge_kib_mapped_at(segments.buffer_address(view)) == 8 << 10
     finally:
         segment.close()
 
@@ -88,7 +88,6 @@ def test_a_rank_s_write_into_a_huge_page_stays_its_own() -> None:
         mine = np.frombuffer(map_private(segment.fd), dtype=np.float64)
         mine[1000] = 7.0  # copies one page for this mapping, whatever held it
         assert np.frombuffer(map_private(segment.fd), dtype=np.float64)[1000] == 0.0
-        assert np.frombuffer(segment.view(), dtype=np.float64).sum() == 0.0
         assert mine.sum() == 7.0
     finally:
         segment.close()
