@@ -35,6 +35,7 @@ from nbaccel.frames import FrameDecoder, encode_frame
 from nbaccel.launcher.debug.rank_pdb import ChannelPdb, Skipped
 from nbaccel.launcher.debug.stacks import stacks_now
 
+SIGNAL_CHECK_S = 0.2  # how long a wait for the kernel goes without a signal handled
 # What the rank says of a skipped stop, after why: where to look instead.
 SKIP_HINT = (
     "Debug from a kernel with a frontend (JupyterLab, VS Code) or a terminal, or see where "
@@ -119,7 +120,16 @@ class RankDebugger:
 
     def _next(self, *ops: str) -> dict[str, Any] | None:
         """The kernel's next frame of one of ``ops`` (others are stale: dropped)."""
-        while (message := self._inbox.get()) is not None:
+        while True:
+            try:
+                # Waited in short spells: a SIGINT (the run interrupted while pdb waits for
+                # a line) that the OS hands to another thread leaves this one blocked, and
+                # Python runs the handler here only once the wait returns.
+                message = self._inbox.get(timeout=SIGNAL_CHECK_S)
+            except queue.Empty:
+                continue
+            if message is None:
+                break
             if message.get("op") in ops:
                 return message
         self._inbox.put(None)  # end of input stays the answer for every later read

@@ -10,6 +10,7 @@ into what travels, and reads it back; ``cache`` keeps the kernel's segments betw
 launches, so data that did not change (``digests`` tells) is not copied again.
 
 The lowest room of the launcher: stdlib and xxhash only (torch only through
-``sys.modules``, where a process already has it), imports nothing of the launcher. ``bootstrap`` (payload, worker
-side), ``local``, ``remote``, ``detached`` and ``interactive`` call it.
+``sys.modules``, where a process already has it), imports nothing of the launcher.
+``bootstrap`` (payload, worker side), ``local``, ``remote``, ``detached`` and
+``interactive`` call it.
 """

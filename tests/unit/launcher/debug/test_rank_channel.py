@@ -215,8 +215,9 @@ def test_no_channel_skips_with_a_reason(capsys: pytest.CaptureFixture[str]) -> N
     assert "torch_xla launches have none yet" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("landing", ["process", "another thread"])
 def test_an_interrupt_while_pdb_waits_for_a_line_raises_in_the_users_code(
-    channel: tuple[RankDebugger, socket.socket],
+    channel: tuple[RankDebugger, socket.socket], landing: str
 ) -> None:
     debugger, kernel = channel
     debugger.install(enabled=True)
@@ -233,7 +234,16 @@ def test_an_interrupt_while_pdb_waits_for_a_line_raises_in_the_users_code(
         original(message)
 
     typed._send = hold_prompts  # type: ignore[method-assign]
-    timer = threading.Timer(0.5, lambda: held.wait(WAIT) and os.kill(os.getpid(), signal.SIGINT))
+
+    def interrupt() -> None:
+        if held.wait(WAIT) and landing == "process":
+            os.kill(os.getpid(), signal.SIGINT)  # the OS hands it to a thread of its choice
+        elif held.is_set():  # as the OS may: this thread gets it, the main one waits on
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        else:  # no prompt came: end the session, so that the test fails instead of hanging
+            original({"op": "line", "text": "c"})
+
+    timer = threading.Timer(0.5, interrupt)
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         breakpoint()
