@@ -19,7 +19,7 @@ memory figures to a file (Accelerate's launcher returns no values).
 * **no data**: the same function without the data, warm: the cost of a launch as such.
 * **push / pull** (interactive workers): ``Workers.push(data=array)`` of a fresh 256 MiB
   float64 array (new data, copied once into shared memory), the same push again (unchanged
-  data: compared, not copied), and ``Workers.pull`` of a 256 MiB array from each rank (512
+  data: checked, not copied), and ``Workers.pull`` of a 256 MiB array from each rank (512
   MiB in all); against ``ipyparallel``'s ``DirectView.push``/``pull`` (2 engines) of the same
   sizes, and one loopback TCP connection in the same kernel (a thread receiving what the
   kernel sends, ``sendall`` of the same array): the rate of a copy through a socket here.
@@ -31,9 +31,10 @@ Rounds: each round starts one kernel per way (nbaccel, accelerate, ipyparallel),
 order reversed every other round, so the machine's drift falls on all alike. Medians over
 rounds; ratios of medians taken in the same run. The machine may be loaded (the load average
 is printed): compare ratios, rerun. The machine's policy for huge pages in shared memory is
-printed too: where it allows them (``advise``, ``within_size``, ``always``) a rank reads a
-segment as fast as a fork reads the kernel's arrays; with ``never`` (most distributions'
-default) through 4 KiB pages, ~0.1 s more per GiB here (docs/data.md).
+printed too: segments are held in huge pages under any policy but ``deny`` on Linux 6.1+
+(``MADV_COLLAPSE`` under ``never``), and then a rank reads them as fast as a fork reads the
+kernel's arrays; where they cannot be, through 4 KiB pages, ~0.1 s more per GiB here
+(docs/data.md).
 
 Goals (issue 31): warm launch using the data <= 1.0x Accelerate's; first launch <=
 Accelerate's + one copy of the data (the time of ``numpy.copy`` of it, measured here);

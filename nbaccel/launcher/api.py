@@ -125,7 +125,15 @@ def plan(
         xla=xla,
         gpus=chosen.count,
         world_size=world_size,
-        payload=build_payload(function, tuple(args), kwargs or {}, resolved.config),
+        # Workers the kernel starts itself wait while it checks data kept from an earlier
+        # launch (a detached run's supervisor, torch_xla's and other machines' do not).
+        payload=build_payload(
+            function,
+            tuple(args),
+            kwargs or {},
+            resolved.config,
+            settle_later=placement is None and xla is None and not resolved.config.detach,
+        ),
         env=dict(os.environ) | chosen.worker_env(),  # gpu_ids: the workers see only those
         cwd=os.getcwd(),
         placement=placement,

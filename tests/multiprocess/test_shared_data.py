@@ -198,6 +198,25 @@ def test_unchanged_data_is_not_copied_again_and_changed_data_arrives(runs_dir: s
     assert CACHE.bytes_written == written + data.nbytes
 
 
+def test_a_check_of_kept_data_that_fails_is_raised_and_the_next_launch_works(
+    runs_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Kept data is checked while the ranks start (sharing/late_check.py); they wait for it.
+    data = np.ones(2 * MIB, dtype="f4")
+    launch = dict(args=(data,), num_processes=2, runs_dir=runs_dir)
+    assert nbaccel.notebook_launcher(first_and_sum, **launch) == (1.0, 2.0 * MIB)
+
+    def no_memory(*args: Any) -> dict[int, Any]:
+        raise OSError(12, "Cannot allocate memory")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(CACHE, "settle", no_memory)
+        with pytest.raises(OSError, match="allocate"):
+            nbaccel.notebook_launcher(first_and_sum, **launch)
+    data[1] = 2.0
+    assert nbaccel.notebook_launcher(first_and_sum, **launch) == (1.0, 2.0 * MIB + 1)
+
+
 def where_it_lies(data: Any) -> str:
     return mapping_of(address_of(data))[0]
 

@@ -47,6 +47,12 @@ class Payload:
         """The segments' fds, in the order the buffers refer to them (none: nothing shared)."""
         return self.shared.fds if self.shared is not None else []
 
+    def settle(self, ranks: int) -> None:
+        """Check the data reused from earlier launches, now that the ``ranks`` workers that
+        wait for it are started (``sharing.late_check``); nothing to do without such data."""
+        if self.shared is not None and self.shared.check is not None:
+            self.shared.check.settle(ranks)
+
     def close(self) -> None:
         """Close this process's fds of the segments (once handed to every worker)."""
         if self.shared is not None:
@@ -58,14 +64,18 @@ def build_payload(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     config: Config,
+    settle_later: bool = False,
 ) -> Payload:
-    """What every worker reads: function, args, kwargs, config, sys.path, cell sources."""
+    """What every worker reads: function, args, kwargs, config, sys.path, cell sources.
+    ``settle_later``: data kept from earlier launches is checked once the workers are
+    started (``Payload.settle``; workers of this machine, started by the kernel)."""
     limit = limit_bytes(config.shared_memory_limit_gb)
-    packed, shared, notice = pack_call(function, args, kwargs, limit)
+    packed, shared, notice = pack_call(function, args, kwargs, limit, settle_later)
     data = pickle.dumps(
         {
             "function": packed.data,
             "refs": packed.refs,
+            "late": shared is not None and shared.check is not None,
             "config": config,
             "sys_path": list(sys.path),
             "sources": cell_sources(),
@@ -80,6 +90,7 @@ def pack_call(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     limit: int,
+    settle_later: bool = False,
 ) -> tuple[Packed, Placement | None, str | None]:
     """``(function, args, kwargs)`` packed for this machine's workers (large buffers in
     shared memory, within ``limit`` bytes: 0 keeps them in the pickle), the placement of
@@ -88,7 +99,7 @@ def pack_call(
     each call this way too)."""
     call = (function, tuple(args), dict(kwargs))
     try:
-        return pack_shared(call, pickling.dumps, limit)
+        return pack_shared(call, pickling.dumps, limit, settle_later)
     except Exception as error:
         raise SerializationError(_explain(function, args, kwargs, error)) from error
 

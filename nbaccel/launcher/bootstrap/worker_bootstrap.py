@@ -34,6 +34,7 @@ from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.bootstrap import pickling, script
 from nbaccel.launcher.bootstrap.payload import read_payload
 from nbaccel.launcher.debug.rank_channel import RankDebugger
+from nbaccel.launcher.sharing.late_check import await_check
 from nbaccel.launcher.sharing.packing import Packed, close_fds, pack_fresh, unpack
 from nbaccel.launcher.sharing.segments import Segment
 
@@ -94,7 +95,10 @@ def run_payload(
         debugger.install(enabled=config.debugger)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         start(config)
-        call = Packed(payload["function"], payload.get("refs", ()))
+        refs = payload.get("refs", ())
+        if payload.get("late"):  # the kernel checks data it kept while we started
+            refs, data_fds = await_check(refs, data_fds)
+        call = Packed(payload["function"], refs)
         function, args, kwargs = unpack(call, data_fds)
         close_fds(data_fds)  # the mapped buffers stay
         del call, payload

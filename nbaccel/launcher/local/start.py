@@ -7,6 +7,7 @@ its listening socket handed to rank 0, so no other process can take it.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import tempfile
 from collections.abc import Mapping
@@ -82,6 +83,14 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
                     data_fds,
                     result_boxes=result_boxes,
                 )
+            try:
+                payload.settle(planned.world_size)  # the workers wait for it, started meanwhile
+            except BaseException:
+                # Unanswered, the workers stop with an error that cannot say why; this one
+                # does: it is raised here, once they are down.
+                with contextlib.suppress(Exception):
+                    run.stop()
+                raise
         finally:
             payload.close()  # every worker holds the segments now
     return run

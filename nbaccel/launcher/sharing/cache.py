@@ -20,6 +20,7 @@ keeps the pages. This is a resource cache, like the helper process: it holds no 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -28,10 +29,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.launcher.sharing.digests import digest
+from nbaccel.launcher.sharing.late_check import LateCheck
 from nbaccel.launcher.sharing.packing import BufferRef, Dumps, Packed, close_fds, split
 from nbaccel.launcher.sharing.segments import Segment, aligned, buffer_address
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class _Unchecked:
+    """A buffer ``place`` reused from the cache without checking it (``settle`` does)."""
+
+    index: int  # among the placement's buffers
+    key: tuple[int, int]
+    buffer: memoryview
+    digest: bytes  # what the reused segment holds
 
 
 @dataclass
@@ -51,13 +63,21 @@ class Placement:
 
     refs: tuple[BufferRef, ...]
     fds: list[int] = field(default_factory=list)
+    check: LateCheck | None = None  # data reused unchecked, checked once ranks are started
 
     def __post_init__(self) -> None:
         # A plan dropped without starting (an error, a replaced payload) closes them too.
         self._closer = weakref.finalize(self, close_fds, list(self.fds))
 
+    def add_check(self, check: LateCheck) -> None:
+        """Check the reused data late: its two fds travel after the segments'."""
+        self.check = check
+        self.fds = [*self.fds, *check.fds]
+
     def close(self) -> None:
         self._closer()
+        if self.check is not None:
+            self.check.close()
         self.fds = []
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -87,9 +107,13 @@ class SegmentCache:
         with self._lock:
             return sum(segment.size for segment in self._segments.values())
 
-    def place(self, buffers: Sequence[memoryview], limit: int) -> Placement:
+    def place(
+        self, buffers: Sequence[memoryview], limit: int, settle_later: bool = False
+    ) -> tuple[Placement, list[_Unchecked]]:
         """Where each buffer lies in shared memory, writing what is not there yet; raises
-        ``Refused`` with the reason when the buffers must travel inside the pickle."""
+        ``Refused`` with the reason when the buffers must travel inside the pickle.
+        ``settle_later``: buffers found in the cache are reused unchecked, and returned, for
+        ``settle`` to check once the ranks are started (``late_check``)."""
         needed = sum(aligned(buffer.nbytes) for buffer in buffers)
         if needed > limit:
             raise Refused(
@@ -102,10 +126,16 @@ class SegmentCache:
             now = self._placements
             found: list[tuple[Segment, int] | None] = []
             keys = [(buffer_address(buffer), buffer.nbytes) for buffer in buffers]
-            digests = [digest(buffer) for buffer in buffers]
-            for key, now_digest in zip(keys, digests, strict=True):
+            digests: list[bytes] = []
+            unchecked: list[_Unchecked] = []
+            for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
                 entry = self._entries.get(key)
-                if entry is not None and entry.digest == now_digest:
+                if entry is not None and settle_later:
+                    digests.append(entry.digest)
+                    unchecked.append(_Unchecked(index, key, buffer, entry.digest))
+                else:
+                    digests.append(digest(buffer))
+                if entry is not None and entry.digest == digests[-1]:
                     entry.used = now
                     found.append((entry.segment, entry.offset))
                 else:
@@ -140,7 +170,46 @@ class SegmentCache:
                     order[id(segment)] = len(fds)
                     fds.append(os.dup(segment.fd))
                 refs.append((order[id(segment)], offset, buffer.nbytes))
-            return Placement(tuple(refs), fds)
+            return Placement(tuple(refs), fds), unchecked
+
+    def settle(
+        self, unchecked: list[_Unchecked], late: int, late_index: int, room: int
+    ) -> dict[int, BufferRef]:
+        """Check buffers that ``place`` reused unchecked: those whose bytes changed since are
+        written into ``late`` (an empty memfd that travelled as segment ``late_index``), after
+        ``room`` bytes left for ``late_check``'s header, and kept in place of the old. Their
+        new refs, by buffer index."""
+        with self._lock:
+            self._packing = True
+            try:
+                return self._write_changed(unchecked, late, late_index, room)
+            finally:
+                unchecked.clear()  # buffer objects made for the pickle die now (see _forget)
+                self._packing = False
+
+    def _write_changed(
+        self, unchecked: list[_Unchecked], late: int, late_index: int, room: int
+    ) -> dict[int, BufferRef]:
+        changed = [
+            (item, content) for item in unchecked if (content := digest(item.buffer)) != item.digest
+        ]
+        if not changed:
+            return {}
+        mine = os.dup(late)  # the cache keeps the segment; the launch closes its own fd
+        try:
+            segment, offsets = Segment.write(
+                [memoryview(bytes(room)), *(item.buffer for item, _ in changed)], into=mine
+            )
+        except BaseException:
+            os.close(mine)
+            raise
+        self.bytes_written += sum(item.buffer.nbytes for item, _ in changed)
+        self._segments[id(segment)] = segment
+        refs: dict[int, BufferRef] = {}
+        for (item, content), offset in zip(changed, offsets[1:], strict=True):
+            self._remember(item.key, item.buffer, content, segment, offset, self._placements)
+            refs[item.index] = (late_index, offset, item.buffer.nbytes)
+        return refs
 
     def clear(self) -> None:
         """Forget every entry and close every segment (runs keep what they mapped)."""
@@ -151,11 +220,13 @@ class SegmentCache:
             segment.close()
 
     def pack(
-        self, obj: Any, dumps: Dumps, limit: int
+        self, obj: Any, dumps: Dumps, limit: int, settle_later: bool = False
     ) -> tuple[Packed, Placement | None, str | None]:
         """``obj`` packed for this machine's ranks: its large buffers placed here (``limit``:
         the launch's ``shared_memory_limit_gb`` in bytes; 0 turns sharing off), or inside the
-        pickle, with the reason when sharing was refused (a notice for the user)."""
+        pickle, with the reason when sharing was refused (a notice for the user).
+        ``settle_later``: data kept from earlier launches is checked once the ranks are
+        started (``placement.check``, see ``late_check``); the ranks wait for it."""
         if limit <= 0:  # sharing off: one plain pickle, no buffers split out
             return Packed(dumps(obj, None)), None, None
         with self._lock:
@@ -165,9 +236,12 @@ class SegmentCache:
                 if not kept.buffers:
                     return Packed(kept.data), None, None
                 try:
-                    placement = self.place(kept.buffers, limit)
+                    placement, unchecked = self.place(kept.buffers, limit, settle_later)
                 except Refused as why:
                     return Packed(dumps(obj, None)), None, str(why)
+                if unchecked:
+                    settle = functools.partial(self.settle, unchecked)
+                    placement.add_check(LateCheck(placement.refs, kept.asked, settle))
                 packed = Packed(kept.data, kept.refs(placement.refs))
                 del kept  # buffer objects made for this pickle go now (see _forget)
                 return packed, placement, None
@@ -256,6 +330,8 @@ def _size(size: int) -> str:
 CACHE = SegmentCache()
 
 
-def pack_shared(obj: Any, dumps: Dumps, limit: int) -> tuple[Packed, Placement | None, str | None]:
+def pack_shared(
+    obj: Any, dumps: Dumps, limit: int, settle_later: bool = False
+) -> tuple[Packed, Placement | None, str | None]:
     """``CACHE.pack``: ``obj`` packed for this machine's ranks (see ``SegmentCache.pack``)."""
-    return CACHE.pack(obj, dumps, limit)
+    return CACHE.pack(obj, dumps, limit, settle_later)
