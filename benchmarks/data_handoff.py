@@ -46,6 +46,7 @@ Usage::
     python benchmarks/data_handoff.py              # 3 rounds, 4 warm launches per kind
     python benchmarks/data_handoff.py --quick      # 1 round, 2 warm, 256 MiB data
     python benchmarks/data_handoff.py --json out.json
+    python benchmarks/data_handoff.py --dashboard  # nbaccel shows its widget dashboard
 """
 
 from __future__ import annotations
@@ -180,29 +181,29 @@ IMPORTS = {
     "ipyparallel": "import ipyparallel",
 }
 LAUNCH = {
-    "nbaccel": "nbaccel.notebook_launcher({fn}, num_processes=2, dashboard=False, "
+    "nbaccel": "nbaccel.notebook_launcher({fn}, num_processes=2, dashboard={dashboard}, "
     "runs_dir=os.path.join(_out, 'runs'))",
     "accelerate": "accelerate.notebook_launcher({fn}, num_processes=2, use_port=str(_free_port()))",
 }
 
 
-def timed_launch(kernel: Kernel, way: str, fn: str) -> float:
-    call = LAUNCH[way].format(fn=fn)
+def timed_launch(kernel: Kernel, way: str, fn: str, dashboard: bool) -> float:
+    call = LAUNCH[way].format(fn=fn, dashboard=dashboard)
     code = f"_t = time.perf_counter()\n{call}\n_s = time.perf_counter() - _t"
     return float(kernel.cell(code, seconds="_s")["seconds"])
 
 
-def launches(kernel: Kernel, way: str, warm: int) -> dict[str, Any]:
+def launches(kernel: Kernel, way: str, warm: int, dashboard: bool) -> dict[str, Any]:
     """One kernel's launches: no data (warm-ups, then timed), then per kind first + warm."""
     found: dict[str, Any] = {}
     for _ in range(2):  # the helper and its spares are up, the launch path is warm
-        timed_launch(kernel, way, "use_none")
-    found["no data"] = [timed_launch(kernel, way, "use_none") for _ in range(warm)]
+        timed_launch(kernel, way, "use_none", dashboard)
+    found["no data"] = [timed_launch(kernel, way, "use_none", dashboard) for _ in range(warm)]
     base = kernel.cell("", ranks="_ranks('none')")["ranks"]
     for kind in KINDS:
         kernel.cell(f"_kind = {kind!r}\ndata = _make(_kind)\n_expect = _SUMS[_kind](data)")
-        first = timed_launch(kernel, way, f"use_{kind}")
-        rest = [timed_launch(kernel, way, f"use_{kind}") for _ in range(warm)]
+        first = timed_launch(kernel, way, f"use_{kind}", dashboard)
+        rest = [timed_launch(kernel, way, f"use_{kind}", dashboard) for _ in range(warm)]
         ranks = kernel.cell("", ranks="_ranks(_kind)", expect="_expect")
         assert all(r["total"] == ranks["expect"] for r in ranks["ranks"]), ranks
         private = [r["uss"] - b["uss"] for r, b in zip(ranks["ranks"], base, strict=True)]
@@ -316,7 +317,7 @@ def one_round(way: str, options: argparse.Namespace, samples: dict[str, Any]) ->
                     samples["rates"].setdefault(name, []).extend(rates)
             return
         time.sleep(3)  # the user writes the next cell: nbaccel's helper starts meanwhile
-        found = launches(kernel, way, options.warm)
+        found = launches(kernel, way, options.warm, options.dashboard)
         samples["launch"].setdefault(way, []).append(found)
         if way == "nbaccel":
             samples["copy"].append(kernel.cell("", s="_copy_seconds()")["s"])
@@ -403,11 +404,18 @@ def main() -> None:
     parser.add_argument("--no-ray", dest="ray", action="store_false")
     parser.add_argument("--quick", action="store_true", help="1 round, 2 warm, 256 MiB")
     parser.add_argument("--json", type=Path, help="write every sample here")
+    parser.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="nbaccel's launches show the widget dashboard (a kernel without a frontend "
+        "still builds it and sends its updates), not the text lines",
+    )
     options = parser.parse_args()
     if options.quick:
         options.rounds, options.warm, options.size, options.moves = 1, 2, 256 << 20, 2
     progress(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
     progress(f"huge pages in shared memory ({SHMEM_HUGE_SETTING}): {shmem_huge_mode()}")
+    progress(f"nbaccel's display: {'widget dashboard' if options.dashboard else 'text'}")
     samples: dict[str, Any] = {"launch": {}, "rates": {}, "copy": [], "failures": []}
     ways = ["nbaccel", "accelerate", "ipyparallel"]
     for index in range(options.rounds):
