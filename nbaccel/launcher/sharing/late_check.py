@@ -16,7 +16,7 @@ ever reads data that was not checked.
 
 >>> import numpy, os
 >>> from nbaccel.launcher.sharing.cache import SegmentCache
->>> from nbaccel.launcher.sharing.packing import dumps_plain, unpack
+>>> from nbaccel.launcher.sharing.packing import Packed, dumps_plain, unpack
 >>> cache, data = SegmentCache(), numpy.ones(1 << 18, "f4")
 >>> _ = cache.pack(data, dumps_plain, 1 << 30)  # the first launch writes it
 >>> data[0] = 7.0  # changed in place before the next
@@ -36,10 +36,8 @@ import struct
 import weakref
 from collections.abc import Callable, Sequence
 
-from nbaccel.launcher.sharing.packing import BufferRef, Packed, close_fds
+from nbaccel.launcher.sharing.packing import BufferRef, close_fds
 from nbaccel.launcher.sharing.segments import NAME
-
-__all__ = ["LateCheck", "Packed", "await_check"]
 
 COUNT = struct.Struct("<q")
 REF = struct.Struct("<qqq")
