@@ -126,20 +126,20 @@ class SegmentCache:
             now = self._placements
             found: list[tuple[Segment, int] | None] = []
             keys = [(buffer_address(buffer), buffer.nbytes) for buffer in buffers]
-            digests: list[bytes] = []
+            digests: dict[int, bytes] = {}  # of the buffers written here, by index
             unchecked: list[_Unchecked] = []
             for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
                 entry = self._entries.get(key)
                 if entry is not None and settle_later:
-                    digests.append(entry.digest)
                     unchecked.append(_Unchecked(index, key, buffer, entry.digest))
                 else:
-                    digests.append(digest(buffer))
-                if entry is not None and entry.digest == digests[-1]:
-                    entry.used = now
-                    found.append((entry.segment, entry.offset))
-                else:
-                    found.append(None)
+                    content = digest(buffer)
+                    if entry is None or content != entry.digest:
+                        digests[index] = content
+                        found.append(None)
+                        continue
+                entry.used = now
+                found.append((entry.segment, entry.offset))
             missing = [index for index, hit in enumerate(found) if hit is None]
             if missing:
                 try:

@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from nbaccel.launcher.sharing.packing import BufferRef, close_fds
-from nbaccel.launcher.sharing.segments import NAME
+from nbaccel.launcher.sharing.segments import NAME, pwrite_all
 
 COUNT = struct.Struct("<q")
 REF = struct.Struct("<qqq")
@@ -73,7 +73,7 @@ class LateCheck:
                 refs = [changed.get(index, ref) for index, ref in enumerate(self.refs)]
                 header = COUNT.pack(len(self.asked))
                 header += b"".join(REF.pack(*refs[index]) for index in self.asked)
-                _pwrite_all(self.late, header)
+                pwrite_all(self.late, memoryview(header), 0)
             os.write(self._ready_write, b"\1" * ranks)
         finally:
             self.close()
@@ -109,9 +109,3 @@ def await_check(
 
 def _settled(late: int, late_index: int, room: int) -> dict[int, BufferRef]:
     raise RuntimeError("this launch's data was checked already (or its check was dropped)")
-
-
-def _pwrite_all(fd: int, data: bytes) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], done)

@@ -81,7 +81,7 @@ class Segment:
                 _write_huge(fd, size, buffers, offsets)
             else:
                 for buffer, offset in zip(buffers, offsets, strict=True):
-                    _pwrite_all(fd, buffer, offset)
+                    pwrite_all(fd, buffer, offset)
         except BaseException:
             if into is None:
                 os.close(fd)
@@ -191,7 +191,8 @@ def as_bytes(buffer: memoryview) -> memoryview:
     return buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
 
 
-def _pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, buffer: memoryview, offset: int) -> None:
+    """Write all of ``buffer`` into ``fd`` at ``offset`` (``pwrite`` may write less)."""
     data = as_bytes(buffer)
     done = 0
     while done < data.nbytes:
