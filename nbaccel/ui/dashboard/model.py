@@ -237,6 +237,11 @@ class DashboardModel:
                 last=last,
                 baseline=baseline,
             )
+        # In the source's order (by rank), whichever worker was read first: a reading taken
+        # as rank 1 started alone must not put it above rank 0 for good.
+        order = [r.device for r in readings]
+        order += [device for device in self._memory if device not in order]
+        self._memory = {device: self._memory[device] for device in order}
         self.memory_version += 1
 
     # ----- output -----------------------------------------------------------------

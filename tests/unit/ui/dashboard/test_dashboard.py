@@ -219,6 +219,13 @@ def test_memory_peaks_are_the_highest_seen() -> None:
     assert model.memory[0].last == 3  # the last known reading is kept for the end
 
 
+def test_memory_bars_keep_the_sources_order_whichever_worker_was_read_first() -> None:
+    model = DashboardModel(world_size=2)
+    model.set_memory([MemoryReading("rank 1 (cpu)", 5, None, 10)])  # rank 1 started first
+    model.set_memory([MemoryReading(f"rank {r} (cpu)", 5, None, 10) for r in (0, 1)])
+    assert [r.device for r in model.memory] == ["rank 0 (cpu)", "rank 1 (cpu)"]
+
+
 # ----- the widgets --------------------------------------------------------------------
 def test_on_several_machines_the_header_counts_them_and_the_log_names_host_and_rank() -> None:
     dash, clock = make_dashboard(world_size=4)
@@ -568,6 +575,21 @@ def test_process_memory_of_a_gone_worker_is_na(tmp_path: Path) -> None:
     readings = ProcessMemory(lambda: {0: os.getpid(), 1: 2**22 + 12345}).read()
     assert readings[0].current and readings[0].peak and readings[0].limit
     assert (readings[1].device, readings[1].current) == ("rank 1 (cpu)", None)
+
+
+def test_pss_and_uss_are_read_once_a_second_from_the_first_second_on() -> None:
+    now = [0.0]
+    source = ProcessMemory(lambda: {0: os.getpid()}, clock=lambda: now[0])
+    [early] = source.read()  # as a worker starts: RSS and its peak, no page-table walk
+    assert early.current and early.peak and early.private is None and early.proportional is None
+    now[0] = 1.0
+    [detailed] = source.read()
+    assert detailed.private is not None and detailed.proportional is not None
+    assert detailed.private <= detailed.proportional <= (detailed.current or 0)
+    now[0] = 1.5  # a wake-up between two ticks (a worker started): cheap again
+    assert source.read()[0].proportional is None
+    now[0] = 2.0
+    assert source.read()[0].proportional is not None
 
 
 def test_sources_for_xla_gpu_and_cpu() -> None:
