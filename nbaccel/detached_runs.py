@@ -14,6 +14,7 @@ from pathlib import Path
 from nbaccel.config.resolve import resolve
 from nbaccel.launcher.detached.attached import AttachedRun
 from nbaccel.launcher.detached.run_listing import RunsTable, find_run, list_runs
+from nbaccel.launcher.planned import shown
 from nbaccel.launcher.run import Run
 from nbaccel.ui.choose import choose_display
 
@@ -54,7 +55,7 @@ def attach(
     ValueError: no detached run under ...: launch one with detach=True.
     """
     run = AttachedRun(find_run(_runs_dir(runs_dir), run_id))
-    choose_display(dashboard, blocking=False)(run, run.gpus)
+    shown(choose_display(dashboard, blocking=False)(run, run.gpus))
     run.connect()
     return run
 

@@ -22,8 +22,16 @@ if TYPE_CHECKING:
     from nbaccel.launcher.run import Run
 
 # What shows a run (the widget dashboard, or text): called once with the run and the number
-# of GPUs it uses, before its workers start. Chosen by the entry points above the launcher.
-Display = Callable[["Run", int], None]
+# of GPUs it uses, before its workers start, to subscribe to it; it may return what is left
+# to do once they are started (``shown``): the widget dashboard builds its widgets then,
+# while the ranks start. Chosen by the entry points above the launcher.
+Display = Callable[["Run", int], "Callable[[], None] | None"]
+
+
+def shown(rest: Callable[[], None] | None) -> None:
+    """Do what a ``Display`` left for later (``shown(show(run, gpus))``: all of it now)."""
+    if rest is not None:
+        rest()
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,13 @@ from nbaccel.launcher.run import Run
 from nbaccel.ui.dashboard.board import Dashboard
 from nbaccel.ui.dashboard.memory import MemorySampler, ReportedMemory, memory_source
 from nbaccel.ui.dashboard.model import TOGETHER, DashboardModel
+from nbaccel.ui.dashboard.plot_pool import PlotPool
 from nbaccel.ui.kernel import in_kernel
 
 _dashboards: weakref.WeakKeyDictionary[Run, Dashboard] = weakref.WeakKeyDictionary()
 MAX_LIVE_DASHBOARDS = 8  # beyond this many, the oldest dashboards close
+# The kernel's dashboards hand their plots on, so a relaunch blits its frames (board.py).
+_PLOTS = PlotPool()
 
 
 def attach_dashboard(
@@ -48,6 +51,25 @@ def attach_dashboard(
     shown first. ``together``: ranks whose lines the log shows together, rank-labelled as the
     text output does (``%%nbaccel --ranks all``), first and in the summary.
     """
+    dashboard = subscribe_dashboard(
+        run, blocking=blocking, gpus=gpus, subscribe=subscribe, rank=rank, together=together
+    )
+    show_dashboard(dashboard, show=show)
+    return dashboard
+
+
+def subscribe_dashboard(
+    run: Run,
+    *,
+    blocking: bool,
+    gpus: int,
+    subscribe: Callable[[Callable[[Event], None]], None] | None = None,
+    rank: int | None = None,
+    together: Sequence[int] = (),
+) -> Dashboard:
+    """``attach_dashboard``'s first half: the dashboard, subscribed to the run, without its
+    widgets yet. A launch calls it before the workers start (no event is missed) and
+    ``show_dashboard`` once they are started: the widgets are built while the ranks start."""
     add = subscribe if subscribe is not None else run.subscribe
     # Closures hold the run weakly: the registry's value must not keep its key alive.
     ref = weakref.ref(run)
@@ -77,15 +99,24 @@ def attach_dashboard(
         blocking=blocking,
         rank=TOGETHER if together else (first if first in run.ranks else run.ranks[0]),
         sampler=sampler,
+        plots=_PLOTS,
+        build=False,
     )
     _dashboards[run] = dashboard
     add(dashboard)
-    if show and in_kernel():  # outside a kernel there is no frontend to show it in
-        _SHOWN.add(dashboard, _cell_key())
-        dashboard.show()
     if not blocking:  # nothing can reach its widgets once the Run is gone
         weakref.finalize(run, dashboard.close)
     return dashboard
+
+
+def show_dashboard(dashboard: Dashboard, *, show: bool = True) -> None:
+    """Build a subscribed dashboard's widgets and show them in the calling cell (in a
+    kernel, unless ``show`` is False); from then on its UI thread writes them."""
+    dashboard.build_widgets()
+    if show and in_kernel():  # outside a kernel there is no frontend to show it in
+        _SHOWN.add(dashboard, _cell_key())
+        dashboard.show()
+    dashboard.ready()
 
 
 class ShownDashboards:

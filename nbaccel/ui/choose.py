@@ -10,6 +10,7 @@ before anything starts if ipywidgets is missing. Imports neither ipywidgets nor 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from nbaccel.errors import ConfigError
 from nbaccel.launcher.planned import Display
@@ -54,10 +55,11 @@ def choose_display(dashboard: str | bool, *, blocking: bool) -> Display:
         raise ConfigError(f"dashboard={dashboard!r} is not one of 'auto', 'text', True, False.")
     if wants_widgets(dashboard):  # dashboard=True without ipywidgets fails here
 
-        def show_widgets(run: Run, gpus: int) -> None:
-            from nbaccel.ui.attach import attach_dashboard  # ipywidgets, matplotlib: only now
+        def show_widgets(run: Run, gpus: int) -> Callable[[], None]:
+            from nbaccel.ui.attach import show_dashboard, subscribe_dashboard  # ipywidgets: now
 
-            attach_dashboard(run, blocking=blocking, gpus=gpus)  # shown in the calling cell
+            dashboard = subscribe_dashboard(run, blocking=blocking, gpus=gpus)
+            return lambda: show_dashboard(dashboard)  # in the calling cell, as ranks start
 
         return show_widgets
 

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -433,3 +434,36 @@ def test_a_cell_written_for_accelerates_notebook_launcher_runs_unchanged(runs_di
     )
     assert value["env"]["MASTER_PORT"] == str(port)
     assert value["env"]["WORLD_SIZE"] == "2" and value["mp"] == "bf16"
+
+
+def wait_long() -> None:
+    import time
+
+    time.sleep(120)
+
+
+def test_the_display_finishes_showing_while_the_ranks_start_and_a_failure_there_stops_them(
+    runs_dir: str,
+) -> None:
+    # The widget dashboard subscribes before the workers start and builds its widgets once
+    # they are started (nbaccel.launcher.planned.Display); if that fails, nothing is left.
+    from nbaccel.launcher.api import start
+
+    seen: dict[str, object] = {}
+
+    def show(run: nbaccel.Run, gpus: int) -> Callable[[], None]:
+        seen["run"] = run
+
+        def rest() -> None:
+            seen["state then"] = run.state
+            raise RuntimeError("the frontend went away")
+
+        return rest
+
+    with pytest.raises(RuntimeError, match="frontend went away"):
+        start(wait_long, (), 2, None, None, {"runs_dir": runs_dir}, show=show)
+    run = seen["run"]
+    assert isinstance(run, nbaccel.Run)
+    assert seen["state then"] is nbaccel.RunState.RUNNING  # the workers had been started
+    run.wait(timeout=60)  # stopped, not left to sleep for 120 s
+    assert run.state is nbaccel.RunState.CANCELLED

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from nbaccel import unpickling
 from nbaccel.errors import HelperError
 from nbaccel.launcher.detached.attached import FAILED, READY, AttachedRun
-from nbaccel.launcher.planned import Display, Planned
+from nbaccel.launcher.planned import Display, Planned, shown
 
 if TYPE_CHECKING:
     from nbaccel.launcher.run import Run
@@ -63,7 +63,7 @@ def start_detached(planned: Planned, *, show: Display) -> Run:
     # zombie for as long as the kernel lives.
     threading.Thread(target=supervisor.wait, name="nbaccel-reap-supervisor", daemon=True).start()
     run = AttachedRun(run_dir)
-    show(run, planned.gpus)
+    shown(show(run, planned.gpus))
     run.connect()
     return run
 

@@ -26,7 +26,7 @@ from nbaccel.launcher.local.helper import (
     shared_helper,
     take_notices,
 )
-from nbaccel.launcher.planned import Display, Planned
+from nbaccel.launcher.planned import Display, Planned, shown
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, write_config
 
@@ -51,7 +51,7 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
         offer_libraries(helper)  # for the next launch: the helper is busy with this one
         write_config(run_dir, resolved)
         run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
-        show(run, gpus)
+        show_rest = show(run, gpus)  # subscribed now; the rest while the ranks start
         payload_file.write(payload.data)
         payload_file.flush()
         port = listener.getsockname()[1]
@@ -85,9 +85,11 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
                 )
             try:
                 payload.settle(planned.world_size)  # the workers wait for it, started meanwhile
+                shown(show_rest)  # the dashboard's widgets, while the ranks start
             except BaseException:
                 # Unanswered, the workers stop with an error that cannot say why; this one
-                # does: it is raised here, once they are down.
+                # does: it is raised here, once they are down. A display that failed to
+                # show leaves no workers behind either.
                 with contextlib.suppress(Exception):
                     run.stop()
                 raise

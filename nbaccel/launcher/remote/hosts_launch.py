@@ -24,7 +24,7 @@ from nbaccel.context import ProcessContext
 from nbaccel.errors import ConfigError
 from nbaccel.hardware.devices import loopback_interface
 from nbaccel.launcher.checks import check_gpus_suffice
-from nbaccel.launcher.planned import Display, HostPlacement, JobMachine, Planned
+from nbaccel.launcher.planned import Display, HostPlacement, JobMachine, Planned, shown
 from nbaccel.launcher.remote.agent_link import AGENTS
 from nbaccel.launcher.remote.elastic import DEFAULT_MULTINODE_PORT
 from nbaccel.launcher.remote.hosts import processes_per_host, read_hosts
@@ -72,7 +72,7 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
         write_config(run_dir, planned.resolved)
         ranks = placement.ranks()
         run = Run(planned.run_id, run_dir, config, planned.world_size, ranks=ranks)
-        show(run, planned.gpus)
+        shown(show(run, planned.gpus))
         payload = planned.payload
         run.notices = [payload.notice] if payload.notice else []
         with tempfile.TemporaryFile() as payload_file:

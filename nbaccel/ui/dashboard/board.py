@@ -3,13 +3,17 @@
 Threads (FACTS.md, ipywidgets): the run's pump thread and the memory sampler only put
 events on a queue; one UI thread applies them to a ``DashboardModel`` and owns every widget
 write. It writes text at most every ``text_interval`` (0.25 s) and PNG frames at most every
-``image_interval`` (0.5 s), assigning whole new values (a bounded log tail, never a growing
-log; never ``with output:`` from a thread), and only when something changed: a run that
-logs every step and prints a tqdm bar costs ~30 messages a second, far below the server's
-~1000/s. When the run ends, the run's pump thread waits (at most ``END_WAIT`` s) for the
-final frames and a static summary (a PNG and text, shown with IPython.display into outputs
-reserved when the dashboard was shown), so a saved notebook keeps the curves and a blocking
-call returns only after they are out.
+``image_interval`` (0.5 s; the first one interval after the start, so a run that ends sooner
+draws only its final frames), assigning whole new values (a bounded log tail, never a
+growing log; never ``with output:`` from a thread), and only when something changed: a run
+that logs every step and prints a tqdm bar costs ~30 messages a second, far below the
+server's ~1000/s. When the run ends, the run's pump thread waits (at most ``END_WAIT`` s)
+for the final frames and a static summary (a PNG and text, shown with IPython.display into
+outputs reserved when the dashboard was shown), so a saved notebook keeps the curves and a
+blocking call returns only after they are out. A launch subscribes the dashboard before
+its workers start and builds the widgets while they start (``build=False``, then
+``build_widgets`` and ``ready``); plots are handed from one dashboard to the next
+(``PlotPool``), so a relaunch blits its frames instead of drawing them whole.
 
 While a blocking cell runs, the kernel handles no widget events (a click, a selector
 change): Stop, Stacks and the selectors work in the non-blocking ``launch()`` dashboard; in a
@@ -32,15 +36,16 @@ from nbaccel.events import Event, RunEnded, RunStarted, WorkerStarted
 from nbaccel.ui.dashboard.cell_output import CellOutput
 from nbaccel.ui.dashboard.clicks import DashboardClicks
 from nbaccel.ui.dashboard.compare import EarlierRuns, earlier_runs
+from nbaccel.ui.dashboard.images import DashboardImages
 from nbaccel.ui.dashboard.memory import MemorySampler
 from nbaccel.ui.dashboard.model import DashboardModel, MemoryReading
+from nbaccel.ui.dashboard.plot_pool import PlotPool
 from nbaccel.ui.dashboard.stacks_panel import StacksPanel
 from nbaccel.ui.dashboard.step_panel import StepPanel
 from nbaccel.ui.dashboard.text import (
     errors_html,
     header_html,
     log_html,
-    memory_html,
     summary_text,
 )
 from nbaccel.ui.dashboard.widgets import DashboardWidgets
@@ -51,7 +56,7 @@ IDLE_REFRESH = 1.0  # the header's clock ticks in seconds
 END_WAIT = 10.0  # the pump thread waits this long for the final frames and summary
 
 
-class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
+class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
     """Widgets for one run, fed with the run's events (it is a run subscriber).
 
     ``threaded=False`` runs no UI thread: call ``tick(now)`` to apply queued events and
@@ -79,6 +84,8 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         threaded: bool = True,
+        plots: PlotPool | None = None,
+        build: bool = True,
     ) -> None:
         self.model = model
         self._stop, self._blocking, self._sampler = stop, blocking, sampler
@@ -94,7 +101,10 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
         self._next_text = self._next_image = 0.0
         self._dirty_text = self._dirty_images = True
         self._written: dict[str, Any] = {}  # what each part shows, to skip equal writes
-        self._plots: Any = None  # nbaccel.ui.dashboard.plots objects, made on first frame
+        self._plots: Any = None  # nbaccel.ui.dashboard.plots objects, taken on first frame
+        self._pool = plots if plots is not None else PlotPool()
+        self._curve_xlim: tuple[float, float] | None = None
+        self._frames: dict[str, bytes] = {}  # the last PNG of each image part
         self.step_panel = StepPanel()  # the step-time breakdown
         self.stacks_panel = StacksPanel()  # a stall warning's stacks, or the button's
         self._summary_outputs: tuple[Any, Any] | None = None
@@ -106,8 +116,34 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
         self.summary_png: bytes | None = None
         self.summary_text = ""
         self.earlier: EarlierRuns | None = None  # the runs picked to overlay, once listed
-        super().__init__(model.log_choices(), rank, blocking=blocking, can_stop=stop is not None)
+        # The UI thread starts once the run has started *and* the widgets are ready: a
+        # launch builds them while its ranks start (``build=False``, then ``build_widgets``
+        # and ``ready``); the lock orders that against the run's events.
+        self._ready = self._start_wanted = self._end_seen = False
+        self._start_lock = threading.Lock()
+        if build:
+            self.build_widgets()
+            self.ready()
+
+    def build_widgets(self) -> None:
+        """Make the widgets (~6 ms in a kernel: a message per widget model) and listen to them."""
+        choices, can_stop = self.model.log_choices(), self._stop is not None
+        DashboardWidgets.__init__(
+            self, choices, self._rank, blocking=self._blocking, can_stop=can_stop
+        )
         self.listen()
+
+    def ready(self) -> None:
+        """The widgets are built (and shown): start the UI thread if the run has started.
+        A run that already ended (a quick failure) has its final frames and summary written
+        before this returns, as its pump thread would have waited for them."""
+        with self._start_lock:
+            self._ready = True
+            start, ended = self._start_wanted, self._end_seen
+        if start:
+            self._start_thread()
+            if ended:
+                self._finished.wait(END_WAIT)
 
     # ----- input (any thread) -------------------------------------------------------
     def __call__(self, event: Event) -> None:
@@ -123,9 +159,11 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
             self._sampler.worker_started(event.pid)  # its bare RSS, then every worker's
         if isinstance(event, RunStarted) and self._threaded:
             self.start()
-        ui_thread = self._thread
-        if isinstance(event, RunEnded) and ui_thread not in (None, threading.current_thread()):
-            self._finished.wait(END_WAIT)
+        if isinstance(event, RunEnded):
+            with self._start_lock:
+                self._end_seen, ui_thread = True, self._thread
+            if ui_thread not in (None, threading.current_thread()):
+                self._finished.wait(END_WAIT)
 
     def post_memory(self, readings: list[MemoryReading]) -> None:
         """Queue memory readings (the sampler's callback)."""
@@ -155,18 +193,34 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
         self._widgets_closed = True
         if self._sampler is not None:
             self._sampler.stop()
-        self.close_widgets()
+        if hasattr(self, "widget"):  # built (a launch that failed to start built none)
+            self.close_widgets()
         self._finished.set()  # nobody waits for a summary that will not come
 
     # ----- the UI thread ------------------------------------------------------------
     def start(self) -> None:
-        """Start the memory sampler and the UI thread (``threaded=True``); idempotent."""
+        """Start the memory sampler and the UI thread (``threaded=True``); idempotent.
+
+        The first frame is due one ``image_interval`` after the start: a run that ends
+        sooner draws only its final frames (each frame competes with the starting ranks for
+        the cores, and the final one is due anyway)."""
         if self._started:
             return
         self._started = True
+        self._next_image = self._clock() + self._image_interval
         if self._sampler is not None:
             self._sampler.start()
         if self._threaded:
+            with self._start_lock:
+                self._start_wanted = True
+                ready = self._ready
+            if ready:
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is not None:
+                return
             self._thread = threading.Thread(target=self._loop, name="nbaccel-ui", daemon=True)
             self._thread.start()
 
@@ -183,7 +237,7 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
     @property
     def curve_xlim(self) -> tuple[float, float] | None:
         """The curve's x axis now (None before its first frame): what a test checks."""
-        return self._plots[1].xlim if self._plots is not None else None
+        return self._curve_xlim
 
     def wait_finished(self, timeout: float = END_WAIT) -> bool:
         """Wait until the final frames and summary are written; False on timeout."""
@@ -230,6 +284,8 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
 
     def tick(self, now: float | None = None, *, force: bool = False) -> None:
         """Apply queued events; write the parts that are due at ``now`` (all if ``force``)."""
+        if not self._ready:
+            return  # no widgets yet: the events wait in the queue
         now = self._clock() if now is None else now
         flushes = self._drain()
         if self._closed:
@@ -336,42 +392,6 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
             self._set("stop_label", self.stop_button, "description", "Stopping…")
         self._dirty_text = False
 
-    def _write_images(self) -> None:
-        self._dirty_images = False
-        if self._plots is None:
-            try:
-                from nbaccel.ui.dashboard import (
-                    plots,  # matplotlib: loaded here, off the launch path
-                )
-            except ImportError:
-                self._set("metric_value", self.metric_value, "value", "matplotlib is missing")
-                return
-            self._plots = (plots, plots.CurvePlot(), plots.MemoryBars())
-        plots, curve, bars = self._plots
-        model, done = self.model, self.model.state.done
-        steps, values = model.series(self._metric)
-        picked = self.earlier.picked if self.earlier is not None else ()
-        key = (self._metric, model.metrics_version, done, picked)
-        if steps and self._written.get("curve_key") != key:
-            self._written["curve_key"] = key
-            overlays = self.earlier.overlays(self._metric) if self.earlier is not None else []
-            png = curve.render(
-                self._metric, steps, values, model.expected_last_step, final=done,
-                overlays=overlays,
-            )  # fmt: skip
-            self._set("curve", self.curve, "value", png)
-            self._set("curve_shown", self.curve.layout, "display", None)
-            earlier = self.earlier
-            legend = earlier.legend_html(self._metric, model.run_id) if earlier else ""
-            self._set("curve_legend", self.curve_legend, "value", legend)
-        readings = model.memory
-        if readings and self._written.get("memory_key") != (model.memory_version, done):
-            self._written["memory_key"] = (model.memory_version, done)
-            self._set("memory", self.memory, "value", bars.render(readings, ended=done))
-            self._set("memory_shown", self.memory.layout, "display", None)
-            text = memory_html(readings, ended=done, estimate=model.estimate)
-            self._set("memory_text", self.memory_text, "value", text)
-
     def _finish(self) -> None:
         if self._sampler is not None:
             self._sampler.stop()
@@ -381,9 +401,9 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks):
         self.summary_text = summary_text(self.model)
         if self.step_panel.summary():
             self.summary_text += "\n" + self.step_panel.summary()
-        if self._plots is not None and (self.model.metric_names or self.model.memory):
-            series = {name: self.model.series(name) for name in self.model.metric_names}
-            title = f"nbaccel run {self.model.run_id}: {self.model.state.value}"
-            self.summary_png = self._plots[0].render_summary(series, self.model.memory, title)
+        if self._plots is not None:
+            self.summary_png = self._summary_picture(self._plots[0])
+            self._pool.give(self._plots[1:])  # the next dashboard blits onto their axes
+            self._plots = None
         self._publish_summary()
         self._finished.set()

@@ -191,11 +191,17 @@ def _unit(largest: float) -> tuple[str, float]:
 class MemoryBars:
     """One horizontal bar per device: current (filled), peak (dark tick), limit (grey).
 
+    The background (axes, labels, limits) depends only on the devices, their limits and
+    the scale; the bars, peak ticks and texts ("n/a", and "peak · last" once the run ended)
+    are drawn over it each frame, so the run's end costs a blit, not a full draw (~30 ms).
+
     >>> bars = MemoryBars()
     >>> png = bars.render([MemoryReading("cuda:0", 2**30, 2**31, 2**34),
     ...                    MemoryReading("rank 1 (xla)", None, None, None)])
-    >>> png.startswith(b"\\x89PNG"), bars.full_draws
-    (True, 1)
+    >>> _ = bars.render([MemoryReading("cuda:0", 2**30, 2**31, 2**34, last=2**30),
+    ...                  MemoryReading("rank 1 (xla)", None, None, None)], ended=True)
+    >>> png.startswith(b"\\x89PNG"), bars.full_draws, [t.get_text() for t in bars._texts]
+    (True, 1, ['peak 2.0 GiB · last 1.0 GiB', 'peak n/a · last n/a'])
     """
 
     def __init__(self, width_px: int = 640, height_px: int = 140, dpi: int = 80) -> None:
@@ -205,7 +211,8 @@ class MemoryBars:
         self._key: tuple[Any, ...] | None = None
         self._background: Any = None
         self._bars: list[Any] = []
-        self._texts: list[Any] = []  # "peak · last" over each bar once the run ended
+        self._texts: list[Any] = []  # "n/a", or "peak · last" once the run ended
+        self._texts_key: tuple[Any, ...] | None = None
         (self._peaks,) = self._axes.plot([], [], color="black", lw=2.5, animated=True)
         self.full_draws = 0
 
@@ -214,16 +221,11 @@ class MemoryBars:
         ``ended`` its workers are gone, so each bar is the device's peak (what the run
         needed) and the last reading is written beside it."""
         xmax = self._scale(readings)
-        key: tuple[Any, ...] = (
-            tuple(r.device for r in readings),
-            tuple(r.limit for r in readings),
-            xmax,
-        )
-        if ended:
-            key += (tuple((r.peak, r.last) for r in readings),)  # drawn as text: static
+        key = (tuple(r.device for r in readings), tuple(r.limit for r in readings), xmax)
         if key != self._key:
-            self._set_axes(readings, xmax, ended=ended)
+            self._set_axes(readings, xmax)
             self._key = key
+        self._set_texts(readings, xmax, ended)
         self._canvas.restore_region(self._background)
         unit = _unit(xmax)[1]
         xs: list[float] = []
@@ -253,13 +255,35 @@ class MemoryBars:
         # redraw, measured) about log2 times, not at every 30 % of growth.
         return float(2 ** math.ceil(math.log2(largest * 1.2)))
 
-    def _set_axes(
-        self, readings: Sequence[MemoryReading], xmax: float, *, ended: bool = False
-    ) -> None:
+    def _set_texts(self, readings: Sequence[MemoryReading], xmax: float, ended: bool) -> None:
+        """The texts over the bars: made again only when what they say changes."""
+        if ended:
+            said = [f"peak {size_text(r.peak)} · last {size_text(r.last)}" for r in readings]
+        else:
+            said = ["n/a" if r.current is None else "" for r in readings]
+        key = (tuple(said), xmax, tuple(r.peak for r in readings))
+        if key == self._texts_key:
+            return
+        self._texts_key = key
+        for text in self._texts:
+            text.remove()
+        self._texts = []
+        for index, (reading, words) in enumerate(zip(readings, said, strict=True)):
+            if not words:
+                continue
+            wide = ended and (reading.peak or 0) > 0.3 * xmax  # white on a long dark bar
+            self._texts.append(
+                self._axes.text(
+                    0.01 * xmax / _unit(xmax)[1], index, words, va="center", fontsize=_FONT,
+                    color="white" if wide else "black", animated=True,
+                )
+            )  # fmt: skip
+
+    def _set_axes(self, readings: Sequence[MemoryReading], xmax: float) -> None:
         unit_name, unit = _unit(xmax)
         axes = self._axes
         axes.clear()
-        self._texts = []
+        self._texts, self._texts_key = [], None  # clear() removed them
         axes.set_xlim(0, xmax / unit)
         axes.set_xlabel(unit_name, fontsize=_FONT)
         axes.set_ylim(len(readings) - 0.5, -0.5)
@@ -271,22 +295,6 @@ class MemoryBars:
             labels.append(label)
             if reading.limit is not None:
                 axes.barh(index, min(reading.limit, xmax) / unit, color="0.9", height=0.8)
-            if ended:
-                peak, last = size_text(reading.peak), size_text(reading.last)
-                wide = bool(reading.peak) and (reading.peak or 0) > 0.3 * xmax
-                self._texts.append(  # drawn over the bar in render (animated, like it)
-                    axes.text(
-                        0.01 * xmax / unit,
-                        index,
-                        f"peak {peak} · last {last}",
-                        va="center",
-                        fontsize=_FONT,
-                        color="white" if wide else "black",
-                        animated=True,
-                    )
-                )
-            elif reading.current is None:
-                axes.text(0.01 * xmax / unit, index, "n/a", va="center", fontsize=_FONT)
         axes.set_yticks(range(len(readings)), labels, fontsize=_FONT)
         self._bars = list(axes.barh(range(len(readings)), 0, color="tab:green", height=0.6))
         for bar in self._bars:
@@ -298,6 +306,27 @@ class MemoryBars:
         self._canvas.draw()
         self._background = self._canvas.copy_from_bbox(self._figure.bbox)
         self.full_draws += 1
+
+
+def stack_frames(frames: Sequence[bytes]) -> bytes:
+    """PNG frames one above the other, as one PNG: the summary of a run whose dashboard
+    showed all there was (one metric at most), made from its final frames (~3 ms) rather
+    than drawn again.
+
+    >>> one = MemoryBars().render([MemoryReading("rank 0 (cpu)", 2**20, 2**21, 2**30)])
+    >>> Image.open(io.BytesIO(stack_frames([one, one]))).size
+    (640, 280)
+    """
+    images = [Image.open(io.BytesIO(frame)).convert("RGB") for frame in frames]
+    width = max(image.width for image in images)
+    stacked = Image.new("RGB", (width, sum(image.height for image in images)), "white")
+    top = 0
+    for image in images:
+        stacked.paste(image, (0, top))
+        top += image.height
+    out = io.BytesIO()
+    stacked.save(out, format="PNG", compress_level=1)
+    return out.getvalue()
 
 
 def render_summary(
@@ -335,6 +364,12 @@ def render_summary(
         axes.tick_params(labelsize=_FONT)
     if not panels:
         figure.text(0.5, 0.5, "no metrics were logged", ha="center", fontsize=_FONT + 2)
-    figure.tight_layout(pad=0.5)
+    # Fixed margins in pixels (room for device names, tick labels and titles):
+    # tight_layout measured every text first and tripled the picture's cost (~60 ms).
+    width, height = canvas.get_width_height()
+    figure.subplots_adjust(
+        left=90 / width, right=1 - 12 / width, top=1 - 48 / height, bottom=36 / height,
+        wspace=0.45, hspace=0.55,
+    )  # fmt: skip
     canvas.draw()
     return _png(canvas)

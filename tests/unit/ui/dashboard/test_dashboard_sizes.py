@@ -43,10 +43,16 @@ def dashboard(run_dir: Path | None = None, world_size: int = 2) -> Dashboard:
     return dash
 
 
+def plots_of(dash: Dashboard) -> tuple[CurvePlot, MemoryBars]:
+    """The dashboard's plots; once it finished, the pair it gave back to its pool."""
+    if dash._plots is not None:
+        return dash._plots[1], dash._plots[2]
+    curve, bars = dash._pool._free[-1]
+    return curve, bars
+
+
 def curve_of(dash: Dashboard) -> CurvePlot:
-    assert dash._plots is not None
-    plot: CurvePlot = dash._plots[1]
-    return plot
+    return plots_of(dash)[0]
 
 
 def log_metrics(dash: Dashboard, steps: int, start: int = 0) -> None:
@@ -128,8 +134,7 @@ def test_after_the_end_the_bars_show_the_peak_and_the_text_the_last_reading() ->
     text = dash.memory_text.value
     assert "280.0 MiB last · 290.0 MiB peak (the bar)" in text, text
     assert "0 B" not in text and "n/a" not in text
-    bars = dash._plots[2] if dash._plots is not None else None
-    assert isinstance(bars, MemoryBars)
+    bars = plots_of(dash)[1]
     assert bars._bars[0].get_width() == pytest.approx(290.0)  # MiB: the peak, not 0
     assert [t.get_text() for t in bars._texts] == ["peak 290.0 MiB · last 280.0 MiB"]
     assert "290.0 MiB peak, 280.0 MiB last" in dash.summary_text
