@@ -327,6 +327,13 @@ class DebugHub:
             ]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
+    def stopped_in_debugger(self) -> set[int]:
+        """The ranks whose worker ended while stopped in pdb. Asked once every worker has
+        ended, it also counts those still marked stopped: this thread may not have seen
+        their channel close yet when the run's pump thread asks."""
+        with self._lock:
+            return self.died_in_debugger | self.debugging
+
     def _lost(self, rank: int) -> None:
         """A rank's channel closed (its worker ended): nothing more comes from it."""
         with self._lock:

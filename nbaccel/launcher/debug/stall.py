@@ -118,7 +118,7 @@ class StallReports:
         """A collective timed out while a stuck rank was in pdb: torch's timeout kept
         running (docs/debugging.md), and the error says so with the fix."""
         hub = self._debug
-        debugged = sorted(set(stuck) & hub.died_in_debugger) if hub is not None else []
+        debugged = sorted(set(stuck) & hub.stopped_in_debugger()) if hub is not None else []
         if isinstance(error, CollectiveTimeout) and debugged and error.args:
             ranks = ", ".join(map(str, debugged))
             error.args = (

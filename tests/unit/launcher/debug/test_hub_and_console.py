@@ -207,3 +207,24 @@ def test_closing_wakes_a_waiting_session(hub: DebugHub) -> None:
     threading.Timer(0.2, hub.close).start()
     assert console.serve(stop) is False  # the run ended while the rank was in pdb
     assert "--- rank 0 has ended ---" in "".join(written)
+
+
+def test_a_rank_stopped_in_pdb_counts_as_such_before_its_closed_channel_is_read(
+    hub: DebugHub,
+) -> None:
+    # The run's pump thread asks once every worker has ended, which the hub's thread may
+    # not have seen yet (the channel's close is still unread): a CollectiveTimeout must name
+    # the rank as stopped in the debugger either way (it did so only by chance before).
+    rank = FakeRank(hub.open(1))
+    hub.start()
+    rank.send(op="ask", kind="breakpoint", where="a.py:7", host="h")
+    deadline = time.monotonic() + WAIT
+    while 1 not in hub.debugging:
+        assert time.monotonic() < deadline, "the stop did not reach the hub"
+        time.sleep(0.01)
+    assert hub.stopped_in_debugger() == {1}  # the worker ended; the hub has not read it yet
+    rank.sock.close()
+    while 1 not in hub.died_in_debugger:
+        assert time.monotonic() < deadline, "the hub did not see the channel close"
+        time.sleep(0.01)
+    assert hub.stopped_in_debugger() == {1}
