@@ -10,6 +10,7 @@ dashboard's UI thread, or the kernel's once the run has ended) and kept. Stdlib 
 from __future__ import annotations
 
 import html
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,14 +36,18 @@ def earlier_runs(run_dir: str | Path, limit: int = MAX_LISTED) -> list[str]:
     """
     current = Path(run_dir)
     try:
-        names = [
-            entry.name
-            for entry in current.parent.iterdir()
-            if entry.name < current.name and (entry / "events.jsonl").is_file()
-        ]
+        # Names only, newest first; then one stat per run until ``limit`` are found: a
+        # runs_dir of thousands of runs costs each launch its listing, not a stat per run.
+        names = sorted((n for n in os.listdir(current.parent) if n < current.name), reverse=True)
+        found: list[str] = []
+        for name in names:
+            if len(found) == limit:
+                break
+            if (current.parent / name / "events.jsonl").is_file():
+                found.append(name)
     except OSError:  # the folder went away, or is not readable: nothing to compare with
         return []
-    return sorted(names, reverse=True)[:limit]
+    return found
 
 
 class EarlierRuns:

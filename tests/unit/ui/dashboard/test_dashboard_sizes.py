@@ -217,6 +217,26 @@ def write_run(runs_dir: Path, run_id: str, losses: list[float]) -> Path:
     return run_dir
 
 
+def test_a_runs_dir_of_many_runs_costs_a_listing_not_a_look_into_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for day in range(1, 29):
+        for hour in range(10):  # 280 earlier runs
+            write_run(tmp_path, f"202601{day:02d}-{hour:02d}0000-aaaaaa", [1.0])
+    current = tmp_path / "20270101-000000-cccccc"
+    looked: list[Path] = []
+    original = Path.is_file
+
+    def counted(path: Path) -> bool:
+        looked.append(path)
+        return original(path)
+
+    monkeypatch.setattr(Path, "is_file", counted)
+    listed = earlier_runs(current, limit=5)
+    assert listed[0] == "20260128-090000-aaaaaa" and len(listed) == 5
+    assert len(looked) == 5  # the newest five, not all 280
+
+
 def test_earlier_runs_are_listed_newest_first_and_overlaid(tmp_path: Path) -> None:
     write_run(tmp_path, "20260101-000000-aaaaaa", [4.0, 3.0, 2.0])
     write_run(tmp_path, "20260102-000000-bbbbbb", [5.0, 4.0, 3.0, 2.0, 1.5, 1.0])
