@@ -71,6 +71,24 @@ PRELOAD = (
 WARM_UP_AFTER_QUIET_SECONDS = 0.3
 # What _hand_to_spare returns for a request put in Helper.deferred (no child has pid 0).
 DEFERRED = 0
+# Missing spares wait while a launch's workers start: forking a copy of this torch-sized
+# process copies its page tables (~10 ms of a core a spare), which the starting ranks need:
+# a 2-rank launch on 2 cores took 0.072 s instead of 0.048 (docs/benchmarks.md). They are
+# forked once the workers have exited, or this long after the last request.
+SPARES_AFTER_REQUEST_SECONDS = 0.3
+
+
+def spares_held_for(*, missing: bool, workers_alive: bool, quiet_for: float) -> float:
+    """How long missing spares still wait (0: fork them now, or none is missing).
+
+    >>> spares_held_for(missing=True, workers_alive=True, quiet_for=0.1)  # ranks starting
+    0.2
+    >>> spares_held_for(missing=True, workers_alive=False, quiet_for=0.0)  # they exited
+    0.0
+    """
+    if not missing or not workers_alive:
+        return 0.0
+    return max(0.0, round(SPARES_AFTER_REQUEST_SECONDS - quiet_for, 6))
 
 
 class Helper(WarmUp):
@@ -128,6 +146,11 @@ class Helper(WarmUp):
             timeout = PARENT_POLL_SECONDS if idle and not warm_now else 0.0
             if warm_soon and not warm_now:
                 timeout = WARM_UP_AFTER_QUIET_SECONDS - quiet_for
+            held = spares_held_for(
+                missing=not idle, workers_alive=bool(self.workers), quiet_for=quiet_for
+            )
+            if held:
+                timeout = held  # requests and exits are served meanwhile
             ready = self._wait(timeout)
             if not ready:
                 self.tell_loaded()  # what it imported at its start, or a worker's lazy import
@@ -135,7 +158,7 @@ class Helper(WarmUp):
                 self.sized = True
                 self.wanted_spares = max(self.wanted_spares, first_spares())
                 continue
-            if not ready and not idle:
+            if not ready and not idle and not held:
                 self.fork_spare()
                 continue
             if not ready and warm_now:
