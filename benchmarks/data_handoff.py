@@ -52,6 +52,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -66,6 +67,7 @@ from relaunch_real_cell import Kernel
 from nbaccel.launcher.sharing.segments import SHMEM_HUGE_SETTING, shmem_huge_mode
 
 GIB = 1 << 30
+LAUNCH_TIMEOUT_S = 60.0  # a launch takes 3 s at most here; past this it hung
 KINDS = ("numpy", "pandas", "dataset")
 
 SETUP = """
@@ -187,23 +189,51 @@ LAUNCH = {
 }
 
 
-def timed_launch(kernel: Kernel, way: str, fn: str, dashboard: bool) -> float:
+def timed_launch(
+    kernel: Kernel, way: str, fn: str, dashboard: bool, hung: list[str]
+) -> float | None:
+    """The launch's seconds; None when it hung (``hung`` says which, the kernel goes on)."""
     call = LAUNCH[way].format(fn=fn, dashboard=dashboard)
     code = f"_t = time.perf_counter()\n{call}\n_s = time.perf_counter() - _t"
-    return float(kernel.cell(code, seconds="_s")["seconds"])
+    try:
+        return float(kernel.cell(code, timeout=LAUNCH_TIMEOUT_S, seconds="_s")["seconds"])
+    except TimeoutError:
+        hung.append(f"{way} {fn}")
+        unhang(kernel)
+        return None
 
 
-def launches(kernel: Kernel, way: str, warm: int, dashboard: bool) -> dict[str, Any]:
-    """One kernel's launches: no data (warm-ups, then timed), then per kind first + warm."""
+def unhang(kernel: Kernel) -> None:
+    """End a hung launch: kill what the kernel started, interrupt the cell, wait for idle.
+    (Accelerate's fork of a kernel, whose threads may hold a lock at the fork, now and then
+    leaves children stuck right after the fork; its parent waits for them for good.)"""
+    import psutil
+
+    for child in psutil.Process(kernel.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    kernel.manager.interrupt_kernel()
+    with contextlib.suppress(RuntimeError):  # the interrupted cell's error comes first
+        kernel.cell("pass", timeout=60)
+
+
+def launches(
+    kernel: Kernel, way: str, warm: int, dashboard: bool, hung: list[str]
+) -> dict[str, Any]:
+    """One kernel's launches: no data (warm-ups, then timed), then per kind first + warm.
+    A launch that hung is left out (None)."""
     found: dict[str, Any] = {}
-    for _ in range(2):  # the helper and its spares are up, the launch path is warm
-        timed_launch(kernel, way, "use_none", dashboard)
-    found["no data"] = [timed_launch(kernel, way, "use_none", dashboard) for _ in range(warm)]
+
+    def timed(fn: str, times: int) -> list[float | None]:
+        return [timed_launch(kernel, way, fn, dashboard, hung) for _ in range(times)]
+
+    timed("use_none", 2)  # the helper and its spares are up, the launch path is warm
+    found["no data"] = [s for s in timed("use_none", warm) if s is not None]
     base = kernel.cell("", ranks="_ranks('none')")["ranks"]
     for kind in KINDS:
         kernel.cell(f"_kind = {kind!r}\ndata = _make(_kind)\n_expect = _SUMS[_kind](data)")
-        first = timed_launch(kernel, way, f"use_{kind}", dashboard)
-        rest = [timed_launch(kernel, way, f"use_{kind}", dashboard) for _ in range(warm)]
+        [first] = timed(f"use_{kind}", 1)
+        rest = [s for s in timed(f"use_{kind}", warm) if s is not None]
         ranks = kernel.cell("", ranks="_ranks(_kind)", expect="_expect")
         assert all(r["total"] == ranks["expect"] for r in ranks["ranks"]), ranks
         private = [r["uss"] - b["uss"] for r, b in zip(ranks["ranks"], base, strict=True)]
@@ -317,7 +347,7 @@ def one_round(way: str, options: argparse.Namespace, samples: dict[str, Any]) ->
                     samples["rates"].setdefault(name, []).extend(rates)
             return
         time.sleep(3)  # the user writes the next cell: nbaccel's helper starts meanwhile
-        found = launches(kernel, way, options.warm, options.dashboard)
+        found = launches(kernel, way, options.warm, options.dashboard, samples["hung"])
         samples["launch"].setdefault(way, []).append(found)
         if way == "nbaccel":
             samples["copy"].append(kernel.cell("", s="_copy_seconds()")["s"])
@@ -345,7 +375,7 @@ def report(samples: dict[str, Any], size: int) -> list[str]:
                 warm = median([s for r in rounds for s in r[kind]])
                 first, private = None, None
             else:
-                first = median([r[kind]["first"] for r in rounds])
+                first = median([r[kind]["first"] for r in rounds if r[kind]["first"] is not None])
                 warm = median([s for r in rounds for s in r[kind]["warm"]])
                 private = median([p for r in rounds for p in r[kind]["private"]])
             figures[(kind, way)] = {"first": first or 0.0, "warm": warm or 0.0}
@@ -416,7 +446,9 @@ def main() -> None:
     progress(f"load average {os.getloadavg()}, {os.cpu_count()} cores")
     progress(f"huge pages in shared memory ({SHMEM_HUGE_SETTING}): {shmem_huge_mode()}")
     progress(f"nbaccel's display: {'widget dashboard' if options.dashboard else 'text'}")
-    samples: dict[str, Any] = {"launch": {}, "rates": {}, "copy": [], "failures": []}
+    samples: dict[str, Any] = {
+        "launch": {}, "rates": {}, "copy": [], "failures": [], "hung": []
+    }  # fmt: skip
     ways = ["nbaccel", "accelerate", "ipyparallel"]
     for index in range(options.rounds):
         for way in ways if index % 2 == 0 else ways[::-1]:
@@ -431,6 +463,8 @@ def main() -> None:
     print("\n".join(report(samples, options.size)))
     for failure in samples["failures"]:
         print(f"failed (left out of the medians): {failure}")
+    for launch in samples["hung"]:
+        print(f"hung, ended after {LAUNCH_TIMEOUT_S:g} s (left out of the medians): {launch}")
     print(f"\nload average after: {os.getloadavg()}")
 
 
