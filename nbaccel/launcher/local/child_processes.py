@@ -1,6 +1,6 @@
 """Pieces of the helper process: how it imports (no garbage collection, then frozen), how
-many spares it forks first, how it collects exits, signals a worker's process group, drains
-its wake-up pipe, and tells a torch_xla machine.
+many spares it forks first and when it forks them again, how it collects exits, signals a
+worker's process group, drains its wake-up pipe, and tells a torch_xla machine.
 
 Stdlib and nbaccel's base modules only (the helper imports it before torch is needed).
 
@@ -19,6 +19,26 @@ from nbaccel.hardware.devices import visible_gpu_count
 # Spares forked as soon as the helper is ready, before any launch says how many it wants.
 FIRST_SPARES = 2
 MAX_SPARES = 16
+
+
+# Missing spares wait while a launch's workers start: forking a copy of this torch-sized
+# process copies its page tables (~10 ms of a core a spare), which the starting ranks need:
+# a 2-rank launch on 2 cores took 0.072 s instead of 0.048 (docs/benchmarks.md). They are
+# forked once the workers have exited, or this long after the last request.
+SPARES_AFTER_REQUEST_SECONDS = 0.3
+
+
+def spares_held_for(*, missing: bool, workers_alive: bool, quiet_for: float) -> float:
+    """How long missing spares still wait (0: fork them now, or none is missing).
+
+    >>> spares_held_for(missing=True, workers_alive=True, quiet_for=0.1)  # ranks starting
+    0.2
+    >>> spares_held_for(missing=True, workers_alive=False, quiet_for=0.0)  # they exited
+    0.0
+    """
+    if not missing or not workers_alive:
+        return 0.0
+    return max(0.0, round(SPARES_AFTER_REQUEST_SECONDS - quiet_for, 6))
 
 
 def xla_machine() -> bool:

@@ -43,6 +43,7 @@ from nbaccel.launcher.local.child_processes import (
     frozen_imports,
     next_exit,
     signal_group,
+    spares_held_for,
 )
 from nbaccel.launcher.local.exec_spare import start_exec_spare
 from nbaccel.launcher.local.orphans import Orphans
@@ -71,24 +72,6 @@ PRELOAD = (
 WARM_UP_AFTER_QUIET_SECONDS = 0.3
 # What _hand_to_spare returns for a request put in Helper.deferred (no child has pid 0).
 DEFERRED = 0
-# Missing spares wait while a launch's workers start: forking a copy of this torch-sized
-# process copies its page tables (~10 ms of a core a spare), which the starting ranks need:
-# a 2-rank launch on 2 cores took 0.072 s instead of 0.048 (docs/benchmarks.md). They are
-# forked once the workers have exited, or this long after the last request.
-SPARES_AFTER_REQUEST_SECONDS = 0.3
-
-
-def spares_held_for(*, missing: bool, workers_alive: bool, quiet_for: float) -> float:
-    """How long missing spares still wait (0: fork them now, or none is missing).
-
-    >>> spares_held_for(missing=True, workers_alive=True, quiet_for=0.1)  # ranks starting
-    0.2
-    >>> spares_held_for(missing=True, workers_alive=False, quiet_for=0.0)  # they exited
-    0.0
-    """
-    if not missing or not workers_alive:
-        return 0.0
-    return max(0.0, round(SPARES_AFTER_REQUEST_SECONDS - quiet_for, 6))
 
 
 class Helper(WarmUp):

@@ -1,12 +1,15 @@
 """When the helper forks the spares a launch used: not while that launch's ranks start
 (forking a torch-sized helper copies its page tables, taking a core from them), but once
-they exit or a while after the last request (``helper_main.spares_held_for``)."""
+they exit or a while after the last request (``child_processes.spares_held_for``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from nbaccel.launcher.local.helper_main import SPARES_AFTER_REQUEST_SECONDS, spares_held_for
+from nbaccel.launcher.local.child_processes import (
+    SPARES_AFTER_REQUEST_SECONDS,
+    spares_held_for,
+)
 
 
 def test_spares_wait_while_the_workers_of_the_last_request_start() -> None:
