@@ -139,11 +139,10 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         before this returns, as its pump thread would have waited for them."""
         with self._start_lock:
             self._ready = True
-            start, ended = self._start_wanted, self._end_seen
-        if start:
-            self._start_thread()
-            if ended:
-                self._finished.wait(END_WAIT)
+            started = self._start_thread_when_due()
+            ended = self._end_seen  # after the thread exists: else the pump thread waits
+        if started and ended:
+            self._finished.wait(END_WAIT)
 
     # ----- input (any thread) -------------------------------------------------------
     def __call__(self, event: Event) -> None:
@@ -213,16 +212,15 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         if self._threaded:
             with self._start_lock:
                 self._start_wanted = True
-                ready = self._ready
-            if ready:
-                self._start_thread()
+                self._start_thread_when_due()
 
-    def _start_thread(self) -> None:
-        with self._start_lock:
-            if self._thread is not None:
-                return
+    def _start_thread_when_due(self) -> bool:
+        """Under ``_start_lock``: start the UI thread once the run started and the widgets
+        are ready (whichever comes last starts it); whether it runs."""
+        if self._thread is None and self._start_wanted and self._ready:
             self._thread = threading.Thread(target=self._loop, name="nbaccel-ui", daemon=True)
             self._thread.start()
+        return self._thread is not None
 
     def flush(self, timeout: float = 10.0) -> None:
         """Apply everything queued and write it now (tests; a notebook's last look)."""

@@ -82,6 +82,4 @@ class DashboardImages:
             title = f"nbaccel run {model.run_id}: {model.state.value}"
             return bytes(plots.render_summary(series, model.memory, title))
         frames = [self._frames[part] for part in ("curve", "memory") if part in self._frames]
-        if len(frames) == 1:
-            return frames[0]  # the memory bars alone: the frame is the picture
         return bytes(plots.stack_frames(frames)) if frames else None

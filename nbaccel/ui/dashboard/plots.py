@@ -30,9 +30,13 @@ _FONT = 8
 def _png(canvas: Any) -> bytes:
     width, height = canvas.get_width_height()
     image = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    return _encode(image.convert("RGB"))
+
+
+def _encode(image: Image.Image) -> bytes:
     out = io.BytesIO()
     # Level 1: ~3x faster than the default for a few % more bytes on flat plot images.
-    image.convert("RGB").save(out, format="PNG", compress_level=1)
+    image.save(out, format="PNG", compress_level=1)
     return out.getvalue()
 
 
@@ -313,12 +317,14 @@ class MemoryBars:
 def stack_frames(frames: Sequence[bytes]) -> bytes:
     """PNG frames one above the other, as one PNG: the summary of a run whose dashboard
     showed all there was (one metric at most), made from its final frames (~3 ms) rather
-    than drawn again.
+    than drawn again; one frame is its own picture.
 
     >>> one = MemoryBars().render([MemoryReading("rank 0 (cpu)", 2**20, 2**21, 2**30)])
-    >>> Image.open(io.BytesIO(stack_frames([one, one]))).size
-    (640, 280)
+    >>> Image.open(io.BytesIO(stack_frames([one, one]))).size, stack_frames([one]) is one
+    ((640, 280), True)
     """
+    if len(frames) == 1:
+        return frames[0]
     images = [Image.open(io.BytesIO(frame)).convert("RGB") for frame in frames]
     width = max(image.width for image in images)
     stacked = Image.new("RGB", (width, sum(image.height for image in images)), "white")
@@ -326,9 +332,7 @@ def stack_frames(frames: Sequence[bytes]) -> bytes:
     for image in images:
         stacked.paste(image, (0, top))
         top += image.height
-    out = io.BytesIO()
-    stacked.save(out, format="PNG", compress_level=1)
-    return out.getvalue()
+    return _encode(stacked)
 
 
 def render_summary(
