@@ -127,7 +127,7 @@ def test_the_end_of_a_run_blits_its_memory_bars_with_their_peak_texts() -> None:
     dash.tick()
     [(_, bars)] = pool._free
     assert bars.full_draws == 1  # the end added texts over a blit, not a whole new draw
-    assert [t.get_text() for t in bars._texts] == ["peak 310.0 MiB"] * 2
+    assert bars.texts == ["peak 310.0 MiB"] * 2
 
 
 def test_two_dashboards_drawing_at_once_each_have_their_own_plots() -> None:

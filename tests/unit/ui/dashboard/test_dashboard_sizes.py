@@ -136,7 +136,7 @@ def test_after_the_end_the_bars_show_the_peak_and_the_text_the_last_reading() ->
     assert "0 B" not in text and "n/a" not in text
     bars = plots_of(dash)[1]
     assert bars._bars[0].get_width() == pytest.approx(290.0)  # MiB: the peak, not 0
-    assert [t.get_text() for t in bars._texts] == ["peak 290.0 MiB"]
+    assert bars.texts == ["peak 290.0 MiB"]
     assert "290.0 MiB peak, 280.0 MiB last" in dash.summary_text
 
 
