@@ -209,6 +209,13 @@ class Config:
         "0",
         "Ranks whose output is shown live: '0', 'all', or a comma list such as '0,1'.",
     )
+    dashboard_after: float = schema_field(
+        0.25,
+        "Seconds a blocking call's run goes before its live widget dashboard is built; a run "
+        "that ends sooner shows only its summary (status, memory, curves, the log's tail). "
+        "0: at once. Launches that return at once (nbaccel.launch) show it at once.",
+        minimum=0.0,
+    )
     runs_dir: str = schema_field(
         "nbaccel_runs",
         "Folder under which each run gets its own run_dir (config, per-rank logs, events).",

@@ -101,6 +101,9 @@ def subscribe_dashboard(
         sampler=sampler,
         plots=_PLOTS,
         build=False,
+        # A blocking call's short run shows only its summary (board.py: why); a run
+        # launched without blocking shows its widgets at once (the cell ends meanwhile).
+        live_after=run.config.dashboard_after if blocking else 0.0,
     )
     _dashboards[run] = dashboard
     add(dashboard)
@@ -110,12 +113,16 @@ def subscribe_dashboard(
 
 
 def show_dashboard(dashboard: Dashboard, *, show: bool = True) -> None:
-    """Build a subscribed dashboard's widgets and show them in the calling cell (in a
-    kernel, unless ``show`` is False); from then on its UI thread writes them."""
-    dashboard.build_widgets()
-    if show and in_kernel():  # outside a kernel there is no frontend to show it in
+    """Show a subscribed dashboard in the calling cell (in a kernel, unless ``show`` is
+    False): its widgets now, or ``live_after`` s into the run (their place is kept); from
+    then on its UI thread writes them. Outside a kernel the widgets are built at once."""
+    shown = show and in_kernel()  # outside a kernel there is no frontend to show it in
+    later = shown and dashboard.live_after > 0
+    if not later:
+        dashboard.build_widgets()
+    if shown:
         _SHOWN.add(dashboard, _cell_key())
-        dashboard.show()
+        dashboard.show(later=later)
     dashboard.ready()
 
 

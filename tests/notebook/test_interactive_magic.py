@@ -157,7 +157,9 @@ def test_twenty_cells_with_dashboards_leak_nothing_in_the_kernel(
         f"""
         %load_ext nbaccel
         import threading, psutil, nbaccel
-        workers = nbaccel.Workers(num_processes=2, runs_dir={str(tmp_path / "runs")!r})
+        workers = nbaccel.Workers(
+            num_processes=2, runs_dir={str(tmp_path / "runs")!r}, dashboard_after=0
+        )
         """,
     )
     assert reply["status"] == "ok", text
@@ -249,7 +251,8 @@ def test_cell_shows_every_asked_rank_in_its_widget_dashboard(
             (
                 "setup",
                 "%load_ext nbaccel\nimport nbaccel\n"
-                f"workers = nbaccel.Workers(num_processes=2, runs_dir={str(tmp_path / 'r')!r})",
+                "workers = nbaccel.Workers(num_processes=2, dashboard_after=0, "
+                f"runs_dir={str(tmp_path / 'r')!r})",  # widgets at once: these calls are short
             ),
             (
                 "all",

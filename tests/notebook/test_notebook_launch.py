@@ -138,7 +138,8 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
                 from ipywidgets.widgets import widget as widget_module
 
                 BEFORE = len(widget_module._instances)
-                WIDGETS = {"runs_dir": RUNS, "dashboard": True}
+                # At once: these runs end before the default dashboard_after.
+                WIDGETS = {"runs_dir": RUNS, "dashboard": True, "dashboard_after": 0}
                 nbaccel.notebook_launcher(train, args=(2,), num_processes=2, **WIDGETS)
                 ONE = len(widget_module._instances) - BEFORE
                 ONE
@@ -151,6 +152,34 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
                 for _ in range(10):
                     nbaccel.notebook_launcher(train, args=(2,), num_processes=2, **WIDGETS)
                 len(widget_module._instances) - START
+                """),
+            ),
+            (
+                "widgets-short",
+                _src("""
+                BEFORE = len(widget_module._instances)
+                nbaccel.notebook_launcher(
+                    train, args=(2,), num_processes=2, runs_dir=RUNS, dashboard=True,
+                    dashboard_after=60,  # the run surely ends first
+                )
+                len(widget_module._instances) - BEFORE
+                """),
+            ),
+            (
+                "widgets-later",
+                _src("""
+                def goes_on(seconds):
+                    import time
+
+                    print("started")
+                    time.sleep(seconds)  # a run 20x as long as dashboard_after
+                    return "done"
+
+
+                nbaccel.notebook_launcher(
+                    goes_on, args=(1.0,), num_processes=2, runs_dir=RUNS, dashboard=True,
+                    dashboard_after=0.05,
+                )
                 """),
             ),
             ("torch-free", '"torch" in sys.modules'),
@@ -316,3 +345,42 @@ def test_launches_in_a_loop_do_not_pile_up_widgets(executed: NotebookNode, cells
     per_dashboard = int(cells.result(one))
     assert per_dashboard >= 20
     assert int(cells.result(loop)) == per_dashboard  # the loop's last dashboard, not ten
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _display_outputs(cell: NotebookNode) -> list[dict[str, Any]]:
+    return [dict(out.data) for out in cell.outputs if out.output_type == "display_data"]
+
+
+def test_a_run_shorter_than_dashboard_after_shows_only_its_summary(
+    executed: NotebookNode, cells: Any
+) -> None:
+    short = cells.cell(executed, "widgets-short")
+    cells.assert_ok(short)
+    assert int(cells.result(short)) == 0  # not one widget model was made
+    shown = _display_outputs(short)
+    assert not [data for data in shown if WIDGET_VIEW in data], shown
+    summary = [data["text/plain"] for data in shown if data.get("text/plain", "").startswith(
+        "nbaccel run ")]  # fmt: skip
+    assert len(summary) == 1 and "succeeded" in summary[0], shown
+    assert "rank 0 sum 3.0" in summary[0]  # the log's tail, as the widgets would have shown
+
+
+def test_a_run_that_goes_on_fills_the_place_kept_for_its_widgets(
+    executed: NotebookNode, cells: Any
+) -> None:
+    later = cells.cell(executed, "widgets-later")
+    cells.assert_ok(later)
+    assert cells.result(later) == "'done'"
+    shown = _display_outputs(later)
+    # The first output (kept empty at the start) now holds the dashboard, above the summary.
+    assert WIDGET_VIEW in shown[0], shown
+    state = executed.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    root = state[shown[0][WIDGET_VIEW]["model_id"]]["state"]
+    assert "nbaccel-dashboard" in root["_dom_classes"]
+    logs = [m["state"].get("value", "") for m in state.values()
+            if "nbaccel-log" in m["state"].get("_dom_classes", [])]  # fmt: skip
+    assert any("started" in str(log) for log in logs), logs
+    assert any(data.get("text/plain", "").startswith("nbaccel run ") for data in shown[1:])

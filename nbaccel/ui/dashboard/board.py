@@ -11,8 +11,10 @@ server's ~1000/s. When the run ends, the run's pump thread waits (at most ``END_
 for the final frames and a static summary (a PNG and text, shown with IPython.display into
 outputs reserved when the dashboard was shown), so a saved notebook keeps the curves and a
 blocking call returns only after they are out. A launch subscribes the dashboard before
-its workers start and builds the widgets while they start (``build=False``, then
-``build_widgets`` and ``ready``); plots are handed from one dashboard to the next
+its workers start (``build=False``) and shows it once they are started: ``nbaccel.launch``
+builds its widgets then (``build_widgets`` and ``ready``); a blocking call keeps their place
+(``show(later=True)``) and its UI thread builds them ``live_after`` s into the run, or
+never if the run ends first (below). Plots are handed from one dashboard to the next
 (``PlotPool``), so a relaunch blits its frames instead of drawing them whole.
 
 While a blocking cell runs, the kernel handles no widget events (a click, a selector
@@ -23,7 +25,6 @@ and the UI says so.
 
 from __future__ import annotations
 
-import html
 import math
 import queue
 import sys
@@ -35,24 +36,25 @@ from typing import Any
 from nbaccel.events import Event, RunEnded, RunStarted, WorkerStarted
 from nbaccel.ui.dashboard.cell_output import CellOutput
 from nbaccel.ui.dashboard.clicks import DashboardClicks
-from nbaccel.ui.dashboard.compare import EarlierRuns, earlier_runs
+from nbaccel.ui.dashboard.compare import EarlierRuns
 from nbaccel.ui.dashboard.images import DashboardImages
 from nbaccel.ui.dashboard.memory import MemorySampler
 from nbaccel.ui.dashboard.model import DashboardModel, MemoryReading
 from nbaccel.ui.dashboard.plot_pool import PlotPool
 from nbaccel.ui.dashboard.stacks_panel import StacksPanel
 from nbaccel.ui.dashboard.step_panel import StepPanel
-from nbaccel.ui.dashboard.text import (
-    errors_html,
-    header_html,
-    log_html,
-    summary_text,
-)
+from nbaccel.ui.dashboard.text import summary_text
 from nbaccel.ui.dashboard.widgets import DashboardWidgets
 
 TEXT_INTERVAL = 0.25  # 4 Hz text: live to the eye; 10 Hz cost ~1 % of a core more
 IMAGE_INTERVAL = 0.5  # 2 Hz frames (a blitted frame costs ~5 ms; a full redraw ~40 ms)
 IDLE_REFRESH = 1.0  # the header's clock ticks in seconds
+# A blocking call's widgets are built once its run has gone on ``live_after`` s (the config's
+# ``dashboard_after``, 0.25 s): a run that ends sooner shows only its summary (the cell's
+# static text and picture, the log's tail included). Its widgets would be live for less time
+# than JupyterLab takes to draw them, and building them (~35 models, a message each) competed
+# with the starting ranks for the cores: ~15 ms of a 0.05-0.15 s launch on 2 cores. tqdm's
+# ``delay`` and dask's ``ProgressBar(minimum=...)`` wait alike.
 END_WAIT = 10.0  # the pump thread waits this long for the final frames and summary
 
 
@@ -86,6 +88,7 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         threaded: bool = True,
         plots: PlotPool | None = None,
         build: bool = True,
+        live_after: float = 0.0,
     ) -> None:
         self.model = model
         self._stop, self._blocking, self._sampler = stop, blocking, sampler
@@ -121,6 +124,10 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         # and ``ready``); the lock orders that against the run's events.
         self._ready = self._start_wanted = self._end_seen = False
         self._start_lock = threading.Lock()
+        # Shown with its widgets to come (``show(later=True)``): the UI thread builds them
+        # ``live_after`` s after the start, unless the run ended before.
+        self.live_after, self._build_due = live_after, math.inf
+        self.built = False
         if build:
             self.build_widgets()
             self.ready()
@@ -132,6 +139,7 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
             self, choices, self._rank, blocking=self._blocking, can_stop=can_stop
         )
         self.listen()
+        self.built = True
 
     def ready(self) -> None:
         """The widgets are built (and shown): start the UI thread if the run has started.
@@ -192,7 +200,7 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         self._widgets_closed = True
         if self._sampler is not None:
             self._sampler.stop()
-        if hasattr(self, "widget"):  # built (a launch that failed to start built none)
+        if self.built:  # not when the run ended before (or failed to start)
             self.close_widgets()
         self._finished.set()  # nobody waits for a summary that will not come
 
@@ -207,6 +215,7 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
             return
         self._started = True
         self._next_image = self._clock() + self._image_interval
+        self._build_due = self._clock() + self.live_after  # if shown later: the run started
         if self._sampler is not None:
             self._sampler.start()
         if self._threaded:
@@ -275,19 +284,34 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
     def _wait_time(self) -> float:
         """Until the next write slot when something waits to be written, else the clock tick."""
         now = self._clock()
+        if not self.built:  # shown later: nothing is written before the widgets are due
+            return max(0.0, min(self._build_due - now, IDLE_REFRESH))
         if not (self._dirty_text or self._dirty_images):
             return IDLE_REFRESH
         due = min(self._next_text, self._next_image if self._dirty_images else math.inf)
         return max(0.0, due - now)
 
     def tick(self, now: float | None = None, *, force: bool = False) -> None:
-        """Apply queued events; write the parts that are due at ``now`` (all if ``force``)."""
+        """Apply queued events; write the parts that are due at ``now`` (all if ``force``).
+        Widgets shown later are built here once due; a run that ends before gets only its
+        summary."""
         if not self._ready:
-            return  # no widgets yet: the events wait in the queue
+            return  # not shown yet: the events wait in the queue
         now = self._clock() if now is None else now
         flushes = self._drain()
         if self._closed:
             self._close_now()
+            for done in flushes:
+                done.set()
+            return
+        if not self.built and not self._ended and now >= self._build_due:
+            self.build_widgets()  # the run goes on: its widgets are worth their cost now
+            self._write_text()
+            self._next_text = now + self._text_interval
+            self._show_widgets()
+        if not self.built:  # shown later, and not yet (or never: the run ended first)
+            if self._ended and not self._finished.is_set():
+                self._finish()
             for done in flushes:
                 done.set()
             return
@@ -351,50 +375,12 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
             self._writing = False
         return True
 
-    def _write_text(self) -> None:
-        model = self.model
-        head = model.header(self._wall_clock())
-        self._set("header", self.header, "value", header_html(head, stopping=self._stopping))
-        self.visible_log = model.tail(self._rank)
-        dropped = model.tail_state(self._rank)[1]
-        self._set("log", self.log, "value", log_html(self.visible_log, dropped, self._rank))
-        labels = tuple(model.log_choices())  # hosts, once known
-        if self._set("rank_options", self.rank_selector, "options", labels):
-            self._written.pop("rank", None)  # new options reset the value: put it back
-            self._set("rank", self.rank_selector, "value", self._rank)
-        self._set("errors", self.errors, "value", errors_html(model.errors))
-        self._set("steps", self.steps, "value", self.step_panel.html())
-        self._set("stacks", self.stacks, "value", self.stacks_panel.html())
-        names = model.metric_names
-        if not self._metric_chosen and names:
-            self._metric = "loss" if "loss" in names else names[0]
-        if self._set("metric_options", self.metric_selector, "options", tuple(names)):
-            self._written.pop("metric", None)  # new options reset the selection: set it again
-        if names:
-            self._set("metric", self.metric_selector, "value", self._metric)
-        steps, values = model.series(self._metric)
-        shown = f"{self._metric} = {values[-1]:.6g} at step {steps[-1]}" if steps else ""
-        self._set("metric_value", self.metric_value, "value", f"<code>{html.escape(shown)}</code>")
-        if self.earlier is None and model.run_dir:  # listed once, when the run started
-            self.earlier = EarlierRuns(model.run_dir)
-            listed = earlier_runs(model.run_dir)
-            self._set("compare_options", self.compare, "options", tuple(listed))
-            self._set("compare_rows", self.compare, "rows", min(max(len(listed), 1), 5))
-            self._set("compare_shown", self.compare.layout, "display", None if listed else "none")
-        done = model.state.done
-        inert = done or self._stopping or self._blocking or self._stop is None
-        self._set("stop_disabled", self.stop_button, "disabled", inert)
-        stacks_inert = inert or self._stacks_of is None
-        self._set("stacks_disabled", self.stacks_button, "disabled", stacks_inert)
-        if self._stopping and not done:
-            self._set("stop_label", self.stop_button, "description", "Stopping…")
-        self._dirty_text = False
-
     def _finish(self) -> None:
         if self._sampler is not None:
             self._sampler.stop()
         self._drain()  # the sampler's last readings
-        self._write_text()
+        if self.built:
+            self._write_text()
         self._write_images()  # the run is done: the curve fits its steps, the bars its peaks
         self.summary_text = summary_text(self.model)
         if self.step_panel.summary():

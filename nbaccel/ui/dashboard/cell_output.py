@@ -1,10 +1,14 @@
 """The dashboard's place in the cell: its widgets, then two outputs reserved for the static
-summary (a text and a PNG) that a saved notebook keeps. Split from ``dashboard``."""
+summary (a text and a PNG) that a saved notebook keeps. Split from ``dashboard``.
+
+The widgets' place can be reserved too (``show(later=True)``), and filled once they are
+built (``_show_widgets``): a blocking call's short run never builds them (dashboard_after)."""
 
 from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Callable
 from typing import Any
 
 
@@ -16,26 +20,40 @@ class CellOutput:
     summary_text: str
     summary_png: bytes | None
     _summary_outputs: tuple[Any, Any] | None = None
+    _widgets_output: Any = None  # the widgets' reserved place (``show(later=True)``)
+    _shown_later = False
+    _write_text: Callable[[], None]
 
-    def _write_text(self) -> None:
-        raise NotImplementedError
-
-    def show(self) -> None:
-        """Display the widgets in the current cell, and reserve two outputs for the summary."""
+    def show(self, *, later: bool = False) -> None:
+        """Display the widgets in the current cell (``later``: reserve their place, filled by
+        ``_show_widgets`` once built), and reserve two outputs for the summary."""
         from IPython import display as ipython_display
 
         display: Any = ipython_display.display  # untyped in IPython
-        self._write_text()  # the header at once; the UI thread takes over when the run starts
-        bundle = dict(self.widget._repr_mimebundle_())
-        # What a notebook viewer without the widget state shows instead of a VBox repr.
-        bundle["text/plain"] = "nbaccel live dashboard (its final summary follows)"
-        display(bundle, raw=True)
+        self._shown_later = later
+        if later:
+            self._widgets_output = display({"text/plain": ""}, raw=True, display_id=True)
+        else:
+            self._write_text()  # the header at once; the UI thread goes on when the run starts
+            display(self._widgets_bundle(), raw=True)
         # Outputs with a display_id, filled at the end with update_display_data: they stay
         # in this cell (and in the saved notebook) wherever the kernel is by then.
         self._summary_outputs = (
             display({"text/plain": ""}, raw=True, display_id=True),
             display({"text/plain": ""}, raw=True, display_id=True),
         )
+
+    def _show_widgets(self) -> None:
+        """Fill the widgets' reserved place (from the UI thread: an update of this cell's
+        output by its display_id, wherever the kernel is)."""
+        if self._widgets_output is not None:
+            self._widgets_output.update(self._widgets_bundle(), raw=True)
+
+    def _widgets_bundle(self) -> dict[str, Any]:
+        bundle = dict(self.widget._repr_mimebundle_())
+        # What a notebook viewer without the widget state shows instead of a VBox repr.
+        bundle["text/plain"] = "nbaccel live dashboard (its final summary follows)"
+        return bundle
 
     def _publish_summary(self) -> None:
         if self._summary_outputs is None:

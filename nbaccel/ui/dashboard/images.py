@@ -5,6 +5,7 @@ its UI thread only. matplotlib is imported on the first frame, never on the laun
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nbaccel.ui.dashboard.compare import EarlierRuns
@@ -30,19 +31,27 @@ class DashboardImages:
     _pool: PlotPool
     _frames: dict[str, bytes]
     _curve_xlim: tuple[float, float] | None
-
-    def _set(self, part: str, widget: Any, name: str, value: Any) -> bool:
-        raise NotImplementedError
+    built: bool
+    _set: Callable[[str, Any, str, Any], bool]
+    _pick_metric: Callable[[], None]
 
     def _write_images(self) -> None:
+        """Draw the frames that changed, and show them once the widgets are built. A run
+        that ended before its widgets draws only its curve, for the summary: its memory
+        bars would say no more than the summary's text (peak and last of each device)."""
         self._dirty_images = False
+        shown = self.built
+        self._pick_metric()
+        if not shown and not self.model.series(self._metric)[0]:
+            return
         if self._plots is None:
             try:
                 from nbaccel.ui.dashboard import (
                     plots,  # matplotlib: loaded here, off the launch path
                 )
             except ImportError:
-                self._set("metric_value", self.metric_value, "value", "matplotlib is missing")
+                if shown:
+                    self._set("metric_value", self.metric_value, "value", "matplotlib is missing")
                 return
             self._plots = (plots, *self._pool.take(plots))
         plots, curve, bars = self._plots
@@ -57,13 +66,16 @@ class DashboardImages:
                 self._metric, steps, values, model.expected_last_step, final=done,
                 overlays=overlays,
             )  # fmt: skip
-            self._set("curve", self.curve, "value", png)
             self._frames["curve"], self._curve_xlim = png, curve.xlim
-            self._set("curve_shown", self.curve.layout, "display", None)
-            earlier = self.earlier
-            legend = earlier.legend_html(self._metric, model.run_id) if earlier else ""
-            self._set("curve_legend", self.curve_legend, "value", legend)
+            if shown:
+                self._set("curve", self.curve, "value", png)
+                self._set("curve_shown", self.curve.layout, "display", None)
+                earlier = self.earlier
+                legend = earlier.legend_html(self._metric, model.run_id) if earlier else ""
+                self._set("curve_legend", self.curve_legend, "value", legend)
         readings = model.memory
+        if not shown:
+            return
         if readings and self._written.get("memory_key") != (model.memory_version, done):
             self._written["memory_key"] = (model.memory_version, done)
             self._frames["memory"] = bars.render(readings, ended=done)
@@ -74,12 +86,14 @@ class DashboardImages:
 
     def _summary_picture(self, plots: Any) -> bytes | None:
         """The picture the cell keeps: the final frames as shown (one metric at most: its
-        curve, then the memory bars, ~3 ms), or every metric drawn anew (~40-100 ms)."""
+        curve, then the memory bars, ~3 ms), or every metric drawn anew (~40-100 ms); a run
+        that ended before its widgets: its curves alone, or none."""
         model = self.model
         logged = [name for name in model.metric_names if model.series(name)[0]]
         if len(logged) > 1:
             series = {name: model.series(name) for name in logged}
             title = f"nbaccel run {model.run_id}: {model.state.value}"
-            return bytes(plots.render_summary(series, model.memory, title))
+            memory = model.memory if self.built else []  # as the frames: said in the text
+            return bytes(plots.render_summary(series, memory, title))
         frames = [self._frames[part] for part in ("curve", "memory") if part in self._frames]
         return bytes(plots.stack_frames(frames)) if frames else None

@@ -10,16 +10,23 @@ widget state lists it in ``_dom_classes``, and a browser test selects by it.
 
 from __future__ import annotations
 
+import html
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets  # untyped: widgets are held as Any
 
-from nbaccel.ui.dashboard.stacks_panel import BLOCKING_STACKS_NOTE
-from nbaccel.ui.dashboard.text import BLOCKING_NOTE
+from nbaccel.ui.dashboard.compare import EarlierRuns, earlier_runs
+from nbaccel.ui.dashboard.model import DashboardModel
+from nbaccel.ui.dashboard.stacks_panel import BLOCKING_STACKS_NOTE, StacksPanel
+from nbaccel.ui.dashboard.step_panel import StepPanel
+from nbaccel.ui.dashboard.text import BLOCKING_NOTE, errors_html, header_html, log_html
 
 
 class DashboardWidgets:
-    """The widget tree (``.widget``) and its named parts, empty until a dashboard fills them.
+    """The widget tree (``.widget``) and its named parts, empty until a dashboard fills them;
+    ``_write_text`` writes the text parts from the dashboard's model (``board.Dashboard``, on
+    its UI thread, whose state this uses).
 
     ``choices``: the log selector's (label, rank) pairs, ``rank`` the one shown first.
 
@@ -27,6 +34,23 @@ class DashboardWidgets:
     >>> parts.rank_selector.value, parts.stop_button.disabled, sorted(parts.model_ids)[:3]
     (1, True, ['compare', 'curve', 'curve_legend'])
     """
+
+    model: DashboardModel
+    step_panel: StepPanel
+    stacks_panel: StacksPanel
+    earlier: EarlierRuns | None
+    visible_log: list[str]
+    _set: Callable[[str, Any, str, Any], bool]
+    _written: dict[str, Any]
+    _wall_clock: Callable[[], float]
+    _rank: int
+    _metric: str
+    _metric_chosen: bool
+    _stopping: bool
+    _blocking: bool
+    _stop: Callable[[], None] | None
+    _stacks_of: Callable[[], dict[int, str]] | None
+    _dirty_text: bool
 
     def __init__(
         self, choices: list[tuple[str, int]], rank: int, *, blocking: bool, can_stop: bool
@@ -132,6 +156,51 @@ class DashboardWidgets:
         parts += " metric_selector"
         parts += " metric_value compare curve curve_legend memory_text memory"
         return {part: getattr(self, part).model_id for part in parts.split()}
+
+    def _write_text(self) -> None:
+        """Write the text parts from the model (the UI thread's, once the widgets are built)."""
+        model = self.model
+        head = model.header(self._wall_clock())
+        self._set("header", self.header, "value", header_html(head, stopping=self._stopping))
+        self.visible_log = model.tail(self._rank)
+        dropped = model.tail_state(self._rank)[1]
+        self._set("log", self.log, "value", log_html(self.visible_log, dropped, self._rank))
+        labels = tuple(model.log_choices())  # hosts, once known
+        if self._set("rank_options", self.rank_selector, "options", labels):
+            self._written.pop("rank", None)  # new options reset the value: put it back
+            self._set("rank", self.rank_selector, "value", self._rank)
+        self._set("errors", self.errors, "value", errors_html(model.errors))
+        self._set("steps", self.steps, "value", self.step_panel.html())
+        self._set("stacks", self.stacks, "value", self.stacks_panel.html())
+        names = model.metric_names
+        self._pick_metric()
+        if self._set("metric_options", self.metric_selector, "options", tuple(names)):
+            self._written.pop("metric", None)  # new options reset the selection: set it again
+        if names:
+            self._set("metric", self.metric_selector, "value", self._metric)
+        steps, values = model.series(self._metric)
+        shown = f"{self._metric} = {values[-1]:.6g} at step {steps[-1]}" if steps else ""
+        self._set("metric_value", self.metric_value, "value", f"<code>{html.escape(shown)}</code>")
+        if self.earlier is None and model.run_dir:  # listed once, when the run started
+            self.earlier = EarlierRuns(model.run_dir)
+            listed = earlier_runs(model.run_dir)
+            self._set("compare_options", self.compare, "options", tuple(listed))
+            self._set("compare_rows", self.compare, "rows", min(max(len(listed), 1), 5))
+            self._set("compare_shown", self.compare.layout, "display", None if listed else "none")
+        done = model.state.done
+        inert = done or self._stopping or self._blocking or self._stop is None
+        self._set("stop_disabled", self.stop_button, "disabled", inert)
+        stacks_inert = inert or self._stacks_of is None
+        self._set("stacks_disabled", self.stacks_button, "disabled", stacks_inert)
+        if self._stopping and not done:
+            self._set("stop_label", self.stop_button, "description", "Stopping…")
+        self._dirty_text = False
+
+    def _pick_metric(self) -> None:
+        """The metric shown: the user's choice, else "loss" once logged, else the first."""
+        names = self.model.metric_names
+        if not self._metric_chosen and names:
+            self._metric = "loss" if "loss" in names else names[0]
 
 
 def _close_tree(widget: Any) -> None:

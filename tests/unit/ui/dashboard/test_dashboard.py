@@ -713,15 +713,16 @@ def shown_in_a_kernel(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
     monkeypatch.setattr(attach, "in_kernel", lambda: True)
     monkeypatch.setattr(attach, "_cell_key", lambda: cells[-1])
     monkeypatch.setattr(attach, "_SHOWN", attach.ShownDashboards(limit=8))
-    monkeypatch.setattr(Dashboard, "show", lambda self: None)
+    monkeypatch.setattr(Dashboard, "show", lambda self, later=False: None)
     return cells
 
 
 def test_twenty_launches_from_one_cell_keep_one_live_dashboard(
     shown_in_a_kernel: list[str | None],
 ) -> None:
-    before = live_widgets()
-    dashboards = [attach_dashboard(FakeRun(), blocking=True, gpus=0) for _ in range(20)]  # type: ignore[arg-type]
+    # Not blocking: widgets at once (a blocking call's come with its run: dashboard_after).
+    before, runs = live_widgets(), [FakeRun() for _ in range(20)]
+    dashboards = [attach_dashboard(run, blocking=False, gpus=0) for run in runs]  # type: ignore[arg-type]
     per_dashboard = live_widgets() - before
     assert [d.closed for d in dashboards] == [True] * 19 + [False]
     dashboards[-1].close()
@@ -732,13 +733,13 @@ def test_twenty_launches_from_one_cell_keep_one_live_dashboard(
 def test_launches_from_many_cells_keep_at_most_eight_live(
     shown_in_a_kernel: list[str | None],
 ) -> None:
-    before = live_widgets()
-    first = attach_dashboard(FakeRun(), blocking=True, gpus=0)  # type: ignore[arg-type]
+    before, runs = live_widgets(), [FakeRun() for _ in range(21)]
+    first = attach_dashboard(runs[0], blocking=False, gpus=0)  # type: ignore[arg-type]
     per_dashboard = live_widgets() - before
     dashboards = [first]
     for i in range(20):
         shown_in_a_kernel.append(f"cell-{i + 2}")
-        dashboards.append(attach_dashboard(FakeRun(), blocking=True, gpus=0))  # type: ignore[arg-type]
+        dashboards.append(attach_dashboard(runs[i + 1], blocking=False, gpus=0))  # type: ignore[arg-type]
     assert sum(not d.closed for d in dashboards) == 8
     assert live_widgets() - before == 8 * per_dashboard
     for dashboard in dashboards:
