@@ -8,6 +8,7 @@ never gets them, or if the summary of a short run loses what its widgets would h
 from __future__ import annotations
 
 import io
+import sys
 import threading
 import time
 from typing import Any
@@ -172,3 +173,24 @@ def test_launches_wait_dashboard_after_only_when_they_block(
         dash.close()
     with pytest.raises(ConfigError, match="dashboard_after"):
         resolve({"dashboard_after": -1}, env={}, use_default_file=False)
+
+
+def test_after_a_run_that_drew_nothing_the_ui_thread_imports_matplotlib(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Else the first run of a kernel that goes on pays the import (~0.3 s) while it is timed.
+    import nbaccel.ui.dashboard
+
+    monkeypatch.delitem(sys.modules, "nbaccel.ui.dashboard.plots")
+    monkeypatch.delattr(nbaccel.ui.dashboard, "plots")
+    dash = Dashboard(DashboardModel(world_size=2), build=False, live_after=60, blocking=True)
+    dash(RunStarted("run-1", 2, "", 0.0))
+    dash._shown_later = True
+    dash.ready()
+    ending = threading.Thread(target=dash, args=(RunEnded(RunState.SUCCEEDED, None, 1, 0),))
+    ending.start()
+    ending.join(timeout=30)
+    assert dash._thread is not None
+    dash._thread.join(timeout=30)
+    assert not dash.built and dash._plots is None  # it drew nothing, and then:
+    assert "nbaccel.ui.dashboard.plots" in sys.modules
