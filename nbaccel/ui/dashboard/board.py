@@ -25,7 +25,6 @@ and the UI says so.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import queue
 import sys
@@ -41,7 +40,7 @@ from nbaccel.ui.dashboard.compare import EarlierRuns
 from nbaccel.ui.dashboard.images import DashboardImages
 from nbaccel.ui.dashboard.memory import MemorySampler
 from nbaccel.ui.dashboard.model import DashboardModel, MemoryReading
-from nbaccel.ui.dashboard.plot_pool import PlotPool
+from nbaccel.ui.dashboard.plot_pool import PlotPool, import_plots_ahead
 from nbaccel.ui.dashboard.stacks_panel import StacksPanel
 from nbaccel.ui.dashboard.step_panel import StepPanel
 from nbaccel.ui.dashboard.text import summary_text
@@ -264,7 +263,7 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         finally:
             if self._closed:  # asked while the loop was ending: close here, once
                 self._close_now()
-        _import_plots_ahead()
+        import_plots_ahead()
 
     def _serve(self) -> None:
         reported = False
@@ -393,12 +392,3 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
             self._plots = None
         self._publish_summary()
         self._finished.set()
-
-
-def _import_plots_ahead() -> None:
-    """Import matplotlib once a run's summary is out, while the kernel waits for its user: the
-    first run that draws a frame (one that goes on, or logs a metric) would otherwise import it
-    (0.3-0.4 s here) at its first frame or at its end, the call waiting for it. Runs that end
-    before their widgets draw none, so a kernel of short runs would never have imported it."""
-    with contextlib.suppress(ImportError):  # without matplotlib no frame is drawn: nothing to do
-        from nbaccel.ui.dashboard import plots  # noqa: F401

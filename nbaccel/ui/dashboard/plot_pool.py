@@ -1,11 +1,13 @@
 """Plots handed from one dashboard to the next (``board.Dashboard`` takes and gives back).
 
 Kept apart from ``plots``, which imports matplotlib: a dashboard takes its plots on its
-first frame, on its UI thread, never on the launch path.
+first frame, on its UI thread, never on the launch path; ``import_plots_ahead`` loads
+matplotlib once a run is over, for the first frame of a later one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -40,3 +42,12 @@ class PlotPool:
         with self._lock:
             if len(self._free) < self.limit:
                 self._free.append(pair)
+
+
+def import_plots_ahead() -> None:
+    """Import matplotlib once a run's summary is out, while the kernel waits for its user: the
+    first run that draws a frame (one that goes on, or logs a metric) would otherwise import it
+    (0.3-0.4 s here) at its first frame or at its end, the call waiting for it. Runs that end
+    before their widgets draw none, so a kernel of short runs would never have imported it."""
+    with contextlib.suppress(ImportError):  # without matplotlib no frame is drawn: nothing to do
+        from nbaccel.ui.dashboard import plots  # noqa: F401
