@@ -137,8 +137,9 @@ def test_notebook_01_runs_on_a_kernel_of_the_fresh_venv(venv: FreshVenv, tmp_pat
     texts = [data["text/plain"] for data in outputs if "image/png" not in data]
     images = [data for data in outputs if "image/png" in data]
     # The widget dashboard ran (the notebook extra's ipywidgets and matplotlib) and left its
-    # summary, a text and an image, in each dashboard cell: the blocking launch, the Run, the
-    # failing launch.
-    assert len(texts) == len(images) == 3, texts
+    # summary in each dashboard cell: the blocking launch, the Run, the failing launch; an
+    # image with the two trainings' (their loss curves), and with the failing launch's only
+    # if it went on past dashboard_after (it ends sooner: its memory is in its text).
+    assert len(texts) == 3 and 2 <= len(images) <= 3, (texts, len(images))
     assert "succeeded" in texts[0] and "failed" in texts[2], texts
     assert os.listdir(tmp_path / "nbaccel_runs"), "the runs wrote no folders"
