@@ -300,8 +300,10 @@ def main(argv: list[str]) -> int:
         started = time.monotonic()
         # Accelerate is the reference, not what is tested: a launch of its that hangs (seen
         # about once in a few dozen runs on a loaded 2-core machine, in torch elastic's
-        # start-up) gets one more try before the program counts as failed.
-        for attempt in (1, 2):
+        # start-up; its fork of a process with threads can also leave children stuck, 1
+        # launch in ~60 in benchmarks/data_handoff.py) gets two more tries before the program
+        # counts as failed (a CI run on 2026-11-28 had trackers hang twice in a row).
+        for attempt in (1, 2, 3):
             for stale in (Path(out_dir) / "accelerate").glob(f"{name}.*"):
                 stale.unlink()  # what an earlier attempt left
             # Its work folder too: a program that appends there (TensorBoard's event files,
