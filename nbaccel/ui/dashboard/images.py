@@ -73,9 +73,9 @@ class DashboardImages:
                 earlier = self.earlier
                 legend = earlier.legend_html(self._metric, model.run_id) if earlier else ""
                 self._set("curve_legend", self.curve_legend, "value", legend)
-        readings = model.memory
         if not shown:
             return
+        readings = model.memory
         if readings and self._written.get("memory_key") != (model.memory_version, done):
             self._written["memory_key"] = (model.memory_version, done)
             self._frames["memory"] = bars.render(readings, ended=done)
