@@ -97,6 +97,12 @@ class EventWriter:
             self._pending += encode_frame(message)
             self._write_pending()
 
+    def flush(self) -> None:
+        """Write what is batched now (interactive workers: before a call's end-of-output mark,
+        so the call's summary holds every metric it logged)."""
+        with self._lock:
+            self._write_pending()
+
     def send_batched(self, message: object) -> None:
         with self._lock:
             first_held = not self._pending

@@ -198,20 +198,28 @@ class RunPump(StallReports, RestartsSeen):
                 r.event_fd = -1
             return False
         if kind == "log":
-            self._take_output(r, *r.output.feed(data))
+            self._take_output(r, *r.output.feed(data), selector)
         else:
             for message in r.decoder.feed(data):
                 self._on_worker_message(r, message)
         return True
 
     def _take_output(
-        self, r: RankPipes, data: bytes, items: list[tuple[str, bool, bool] | Mark]
+        self,
+        r: RankPipes,
+        data: bytes,
+        items: list[tuple[str, bool, bool] | Mark],
+        selector: selectors.BaseSelector | None = None,
     ) -> None:
         """A rank's output, its marks taken out: the bytes into its log, lines and marks out."""
         r.log_file.write(data)
         now = time.time()
         for item in items:
             if isinstance(item, Mark):
+                # What the rank sent on its event pipe before the mark (an interactive
+                # call's metrics) is handed out before it: the pipes are read apart.
+                while selector is not None and self._read(selector, r, "events"):
+                    pass
                 self._emit(OutputMark(r.rank, item.text, now))
             else:
                 self._emit(LogLine(r.rank, *item, now))

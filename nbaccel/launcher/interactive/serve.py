@@ -95,6 +95,8 @@ def serve(address: str, token: str) -> None:
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             flush_c_stdio()
+            if session is not None:  # the call's batched metrics go before its mark, not
+                session.events.flush()  # up to 0.25 s later, into the next call's display
             sys.stdout.write(mark_line(done_mark(command["seq"])))
             sys.stdout.flush()
             send_frame(sock, pickle.dumps(reply, protocol=5), [segment.fd] if segment else [])
