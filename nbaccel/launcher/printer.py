@@ -131,6 +131,17 @@ def restart_line(event: RunRestarted) -> str:
     return f"rank {event.rank}{where} failed ({event.reason}); restarting the workers ({attempt})"
 
 
+def seconds_text(seconds: float) -> str:
+    """A quiet time as it was: tenths below 10 s (a ``stall_warning`` of 0.5 s is no "1 s"),
+    whole seconds above.
+
+    >>> seconds_text(0.500663), seconds_text(2.0), seconds_text(120.4)
+    ('0.5 s', '2 s', '120 s')
+    """
+    text = f"{seconds:.1f}".removesuffix(".0") if seconds < 10 else f"{seconds:.0f}"
+    return f"{text} s"
+
+
 def stall_text(event: StallWarning) -> str:
     """A stall warning in text: why, then each rank's stack.
 
@@ -140,7 +151,8 @@ def stall_text(event: StallWarning) -> str:
     rank 1: in train (t.py:3)
     """
     head = (
-        f"nbaccel: no rank printed, logged a metric or finished a step for {event.seconds:.0f} s "
+        f"nbaccel: no rank printed, logged a metric or finished a step for "
+        f"{seconds_text(event.seconds)} "
         "(stall_warning); where each rank is now (the run goes on):"
     )
     return "\n".join([head, *(event.stacks[rank] for rank in sorted(event.stacks))])

@@ -383,9 +383,8 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         if self.built:
             self._write_text()
         self._write_images()  # the run is done: the curve fits its steps, the bars its peaks
-        self.summary_text = summary_text(self.model)
-        if self.step_panel.summary():
-            self.summary_text += "\n" + self.step_panel.summary()
+        parts = (summary_text(self.model), self.step_panel.summary(), self.stacks_panel.summary())
+        self.summary_text = "\n".join(part for part in parts if part)  # a stall: saved too
         if self._plots is not None:
             self.summary_png = self._summary_picture(self._plots[0])
             self._pool.give(self._plots[1:])  # the next dashboard blits onto their axes

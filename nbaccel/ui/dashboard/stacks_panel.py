@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 
 from nbaccel.events import Event, StallWarning
+from nbaccel.launcher.printer import seconds_text
 
 # What the button's tooltip and a blocking dashboard say: clicks wait for the cell's end.
 BLOCKING_STACKS_NOTE = (
@@ -40,17 +41,43 @@ class StacksPanel:
         self._title = ""
         self._stacks: dict[int, str] = {}
         self._warning = False
+        self._stall: StallWarning | None = None  # the last stall warning, for the summary
 
     def handle(self, event: Event) -> bool:
         """Take an event; True when it was a stall warning (the panel changed)."""
         if not isinstance(event, StallWarning):
             return False
+        quiet = seconds_text(event.seconds)
         self._title = (
-            f"No rank printed, logged a metric or finished a step for {event.seconds:.0f} s "
+            f"No rank printed, logged a metric or finished a step for {quiet} "
             "(stall_warning): where each rank is now. The run goes on."
         )
         self._stacks, self._warning = dict(event.stacks), True
+        self._stall = event
         return True
+
+    def summary(self) -> str:
+        """The last stall warning for the summary a saved notebook keeps (the live panel's
+        stacks are gone with the widgets): why, then the first line of each rank's stack
+        (its function and line, the collective it waited in); "" when there was none.
+
+        >>> panel = StacksPanel()
+        >>> stacks = {0: "rank 0: in train (t.py:3)\\nThread MainThread (main):"}
+        >>> panel.handle(StallWarning(0.500663, stacks, {0: None}, 0.0))
+        True
+        >>> print(panel.summary())  # doctest: +ELLIPSIS
+        stall warning: no rank printed, logged a metric or finished a step for 0.5 s ...
+          rank 0: in train (t.py:3)
+        """
+        if self._stall is None:
+            return ""
+        stacks = self._stall.stacks
+        where = [f"  {stacks[rank].splitlines()[0]}" for rank in sorted(stacks) if stacks[rank]]
+        head = (
+            "stall warning: no rank printed, logged a metric or finished a step for "
+            f"{seconds_text(self._stall.seconds)} (stall_warning); where each rank was:"
+        )
+        return "\n".join([head, *where])
 
     def take(self, stacks: Mapping[int, str] | str, when: float | None = None) -> None:
         """The Stacks button's answer: ``{rank: text}``, or why there is none."""
