@@ -283,7 +283,9 @@ helper.preloader.unsafe = "preloading thready: it started a thread at import"
 pid = helper.fork_spare()
 spare = psutil.Process(pid)
 deadline = time.monotonic() + 60  # until the spawned child has exec'd (bounded)
-while "nbaccel.launcher.local.exec_spare" not in (cmdline := spare.cmdline()):
+# Until it has exec'd: its module on the command line, or the name it gives itself then.
+EXECED = ("nbaccel.launcher.local.exec_spare", "nbaccel spare (fresh interpreter)")
+while not any(name in " ".join(cmdline := spare.cmdline()) for name in EXECED):
     if time.monotonic() > deadline:
         break
     time.sleep(0.01)
@@ -291,7 +293,7 @@ alive = spare.is_running() and spare.status() != psutil.STATUS_ZOMBIE
 for _, channel in helper.spares:
     channel.close()              # a retired spare: EOF on its socket, and it leaves
 code = spare.wait(120)
-print(json.dumps({"exec": "nbaccel.launcher.local.exec_spare" in cmdline, "alive": alive,
+print(json.dumps({"exec": any(name in " ".join(cmdline) for name in EXECED), "alive": alive,
                   "code": code}))
 """,
     )

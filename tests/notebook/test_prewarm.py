@@ -112,10 +112,25 @@ def helpers_of(pid: int) -> list[psutil.Process]:
     found = []
     for child in psutil.Process(pid).children():
         try:
-            if HELPER_MODULE in child.cmdline():
+            # Its module until it runs, then the name it gives itself (process_names).
+            if HELPER_MODULE in child.cmdline() or child.name() == "nbaccel helper":
                 found.append(child)
         except psutil.NoSuchProcess:
             pass
+    return found
+
+
+def named_for(kernel_pid: int) -> dict[int, tuple[str, str]]:
+    """{pid: (comm, command line)} of every process named as serving ``kernel_pid``."""
+    found = {}
+    for process in psutil.process_iter():
+        try:
+            cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0")[0]
+            comm = Path(f"/proc/{process.pid}/comm").read_text().strip()
+        except OSError:
+            continue  # gone, or not ours to read
+        if cmdline.decode(errors="replace").endswith(f"for pid {kernel_pid})"):
+            found[process.pid] = (comm, cmdline.decode())
     return found
 
 
@@ -144,6 +159,31 @@ def test_import_starts_the_helper_and_the_first_launch_uses_it(
     # Once quiet, the helper imports the Accelerator and torch._dynamo for later workers.
     run(kc, WARMED.format(runs=str(tmp_path / "runs"), quiet=QUIET_S, timeout=WARM_TIMEOUT_S))
     assert run(kc, "", warmed="WARMED")["warmed"] is True
+
+
+def test_import_leaves_a_helper_a_base_and_two_spares_each_named_for_what_it_is(
+    start_kernel: Callable[[str | None], tuple[KernelManager, BlockingKernelClient]],
+) -> None:
+    # What `import nbaccel` leaves running (issue 39, item 20): in ps, top and nvidia-smi a
+    # spare must not look like a stray worker, nor the base (its parent is init) a leak.
+    _, kc = start_kernel(None)
+    kernel_pid = run(kc, "import os, nbaccel", pid="os.getpid()")["pid"]
+    helper = wait_for_helper(kernel_pid)
+    want = {
+        "nbaccel helper": f"nbaccel helper (for pid {kernel_pid})",
+        "nbaccel base": f"nbaccel base (next helper for pid {kernel_pid})",
+        "nbaccel spare": f"nbaccel spare (for pid {kernel_pid})",
+    }
+    expected = ["nbaccel base", "nbaccel helper", "nbaccel spare", "nbaccel spare"]
+    deadline = time.monotonic() + APPEAR_TIMEOUT_S
+    while sorted(comm for comm, _ in named_for(kernel_pid).values()) != expected:
+        assert time.monotonic() < deadline, f"after {APPEAR_TIMEOUT_S} s: {named_for(kernel_pid)}"
+        time.sleep(0.05)  # polling psutil; the bound above is the wait
+    found = named_for(kernel_pid)
+    assert all(cmdline == want[comm] for comm, cmdline in found.values()), found
+    assert found[helper.pid][0] == "nbaccel helper"
+    spares = {p.pid for p in helper.children()}
+    assert {pid for pid, (comm, _) in found.items() if comm == "nbaccel spare"} == spares
 
 
 def test_a_launch_in_the_importing_cell_waits_for_that_helper(

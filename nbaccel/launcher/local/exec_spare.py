@@ -18,6 +18,7 @@ import sys
 
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.prctl import set_parent_death_signal
+from nbaccel.launcher.bootstrap.process_names import name_process
 
 
 def start_exec_spare() -> tuple[int, socket.socket] | None:
@@ -43,6 +44,7 @@ def start_exec_spare() -> tuple[int, socket.socket] | None:
 def main(argv: list[str]) -> int:
     channel = socket.socket(fileno=int(argv[1]))
     helper_pid = int(argv[2])
+    name_process("nbaccel spare (fresh interpreter)")
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != helper_pid:  # the helper died before prctl
         return 1

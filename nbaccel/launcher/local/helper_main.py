@@ -36,6 +36,7 @@ from typing import Any
 
 from nbaccel.launcher import control
 from nbaccel.launcher.bootstrap.prctl import set_child_subreaper, set_parent_death_signal
+from nbaccel.launcher.bootstrap.process_names import helper_title, name_process, spare_title
 from nbaccel.launcher.local.child_processes import (
     MAX_SPARES,
     drain,
@@ -247,6 +248,7 @@ class Helper(WarmUp):
                     os.close(fd)
                 ours.close()
                 self.close_in_child()
+                name_process(spare_title(self.parent.pid))  # not a stray worker in ps
                 set_parent_death_signal(signal.SIGKILL)
                 message, fds = control.receive(theirs)
                 if message is not None:
@@ -322,6 +324,7 @@ class Helper(WarmUp):
             if not parent.alive():
                 return 0
             files.begin()  # what it loads from now on is read from the disk as it is now
+            name_process(helper_title(parent.pid))
             successor = Helper(sock, parent, files)
             successor.wanted_spares = min(MAX_SPARES, int(message.get("spares", 0)))
             return serve_as_helper(successor)
@@ -356,8 +359,8 @@ def _exit_on_sigterm(*_: object) -> None:
 
 
 def main(argv: list[str]) -> int:
-    sock = socket.socket(fileno=int(argv[1]))
-    parent_pid = int(argv[2])
+    sock, parent_pid = socket.socket(fileno=int(argv[1])), int(argv[2])
+    name_process(helper_title(parent_pid))  # before torch: its successor names itself too
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's, not ours
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     files = LoadedFiles()  # site-packages as they are before we import from them

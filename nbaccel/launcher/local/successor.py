@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.launcher import control
+from nbaccel.launcher.bootstrap.process_names import name_process
 
 
 class ParentWatch:
@@ -76,7 +77,7 @@ Become = Callable[[dict[str, Any], list[int]], int]
 
 
 def fork_base(
-    close_in_child: Callable[[], None], become: Become
+    close_in_child: Callable[[], None], become: Become, title: str = "nbaccel base"
 ) -> tuple[int, socket.socket] | None:
     """Fork the base: (its pid, our end of its socket), or None if fork failed. Call it
     before this process becomes a child subreaper (or the base would come back to it).
@@ -85,7 +86,8 @@ def fork_base(
     the kernel would never see it close), spares' sockets, fds of requests waiting.
     The base runs ``become(message, fds)`` with what ``succeed`` sends it (the exit code it
     returns ends it), or exits on EOF: its helper retired it or is gone (the socket's other
-    end is ours alone: every process we fork after closes it).
+    end is ours alone: every process we fork after closes it). ``title``: its name in ps
+    (``process_names``): its parent is init, and it should not look like a leak.
     """
     ours, theirs = control.socket_pair()
     try:
@@ -102,6 +104,7 @@ def fork_base(
             close_in_child()
             base = os.fork()
             if base == 0:
+                name_process(title)
                 code = _serve_as_base(theirs, become)
             else:
                 control.send(theirs, {"op": "base", "pid": base})

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from nbaccel.launcher import control
+from nbaccel.launcher.bootstrap.process_names import base_title
 from nbaccel.launcher.local.between_bytecodes import serving_while
 from nbaccel.launcher.local.child_processes import (
     drain,
@@ -190,7 +191,7 @@ class WarmUp:
     def fork_base(self) -> None:
         """Fork the base, once, right after "ready": what a successor starts from."""
         self.tell_loaded()  # the kernel learns the base's files before it learns of the base
-        self.base = fork_base(self.close_in_child, self.become())
+        self.base = fork_base(self.close_in_child, self.become(), base_title(self.parent.pid))
         if self.base is not None:
             self.reply({"op": "base", "pid": self.base[0]})
 

@@ -25,6 +25,7 @@ from nbaccel.context import ProcessContext
 from nbaccel.events import WorkerStarted
 from nbaccel.frames import EventWriter
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
+from nbaccel.launcher.bootstrap.process_names import name_process, worker_title
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, run_payload
 from nbaccel.launcher.sharing.packing import take_shared
 
@@ -45,6 +46,7 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     fds, data_fds, box = take_shared(fds, request)
     payload_fd, log_fd, events_fd, *rest = fds
     supervisor = "xla_plan" in request
+    name_process(worker_title(request["rank"], request["run"], supervisor=supervisor))
     # A rank's end of its debug channel (launcher/debug/), before rank 0's listening socket;
     # a torch_xla supervisor's ranks have none.
     debug_fd = None if supervisor else rest.pop(0)
