@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.sharing.memfd import NoSharedMemory, new_fd
 from nbaccel.launcher.sharing.packing import Packed, close_fds, inline_chunks, unpack_mapped
 from nbaccel.launcher.sharing.segments import map_private
 
@@ -26,9 +27,14 @@ class ResultBoxes:
     def __init__(self) -> None:
         self._boxes: dict[int, int] = {}
 
-    def make(self, rank: int) -> int:
-        """An empty memfd for ``rank``'s value (the kernel's fd: the worker gets its own)."""
-        box = os.memfd_create("nbaccel-result", os.MFD_CLOEXEC)
+    def make(self, rank: int) -> int | None:
+        """An empty memfd for ``rank``'s value (the kernel's fd: the worker gets its own);
+        None where this process can make no shared memory (``memfd``, which says so once):
+        the value then comes back inside its pickle."""
+        try:
+            box = new_fd("nbaccel-result")
+        except NoSharedMemory:
+            return None
         self._boxes[rank] = box
         return box
 

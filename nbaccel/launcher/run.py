@@ -306,7 +306,8 @@ class Run(RunPump):
                 debug = self._debug.open(rank)  # the rank's end of its debug channel
                 child_fds.append(debug)
                 rendezvous = [listen_fd] if rank == 0 and listen_fd is not None else []
-                box = [self._boxes.make(rank)] if result_boxes else []
+                made = self._boxes.make(rank) if result_boxes else None
+                box = [made] if made is not None else []  # none: no shared memory here
                 fds = [payload_fd, log_write, event_write, debug, *rendezvous, *data_fds, *box]
                 shared = shared_fds(len(data_fds), box=bool(box))
                 message = {**request, **shared, "run": self.run_id, "rank": rank}

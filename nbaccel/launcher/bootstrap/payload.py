@@ -19,15 +19,16 @@ import os
 import pickle
 import sys
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nbaccel.config.schema import Config
 from nbaccel.errors import SerializationError
 from nbaccel.launcher.bootstrap import pickling
+from nbaccel.launcher.sharing import memfd
 from nbaccel.launcher.sharing.cache import Placement, limit_bytes, pack_shared
-from nbaccel.launcher.sharing.packing import Packed
+from nbaccel.launcher.sharing.packing import Packed, gather
 
 MAX_CELL_SOURCES_BYTES = 8 << 20
 
@@ -36,11 +37,13 @@ MAX_CELL_SOURCES_BYTES = 8 << 20
 class Payload:
     """What every worker of a launch reads (``data``: the file they are handed), the
     shared-memory segments its buffers lie in (their fds travel after the launch's other
-    fds), and why its buffers were not shared, when they were refused (a notice)."""
+    fds), and what the user is told of how they travel (why they were not shared, when
+    they were refused; how this process makes shared memory, the first time it is not
+    ``os.memfd_create``)."""
 
     data: bytes
     shared: Placement | None = None
-    notice: str | None = None
+    notices: tuple[str, ...] = ()
 
     @property
     def data_fds(self) -> list[int]:
@@ -82,7 +85,8 @@ def build_payload(
         },
         protocol=5,
     )
-    return Payload(data, shared, notice)
+    said = (memfd.take_notice(), notice)  # the first launch after the way was chosen
+    return Payload(data, shared, tuple(text for text in said if text))
 
 
 def pack_call(
@@ -169,6 +173,17 @@ def cell_sources() -> dict[str, list[str]]:
             break
         sources[filename] = lines
     return sources
+
+
+def for_other_hosts(payload: bytes, data_fds: Sequence[int]) -> tuple[bytes, list[bytes]]:
+    """``payload`` and the bytes of its buffers for agents on other hosts: only the
+    buffers it refers to (``packing.gather``), with its refs made to point there; its
+    segments, kept by the kernel's cache, may hold other launches' data too."""
+    outer = pickle.loads(payload)
+    if not outer.get("refs"):
+        return payload, []
+    refs, data = gather(outer["refs"], data_fds)
+    return pickle.dumps({**outer, "refs": refs}, protocol=5), [data]
 
 
 def read_payload(fd: int) -> bytes:

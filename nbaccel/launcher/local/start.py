@@ -74,7 +74,7 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
                 if held is not helper:
                     held.preload_wanted = resolved.config.preload_libraries
                     offer_libraries(held)
-                run.notices = take_notices() + ([payload.notice] if payload.notice else [])
+                run.notices = take_notices() + list(payload.notices)
                 run.start(
                     held,
                     requests,

@@ -31,8 +31,9 @@ from typing import Any
 
 from nbaccel.launcher.remote.store_socket import listen_where_reached
 from nbaccel.launcher.run_folder import private_folder
+from nbaccel.launcher.sharing.memfd import NoSharedMemory, new_fd
 from nbaccel.launcher.sharing.packing import close_fds
-from nbaccel.launcher.sharing.segments import Segment
+from nbaccel.launcher.sharing.segments import Segment, pwrite_all
 
 MONITOR_INTERVAL = 0.02  # seconds between torch elastic's looks at this host's workers
 RESOLVE_TIMEOUT = 5.0  # a rendezvous address that takes longer to resolve fails the launch
@@ -210,8 +211,7 @@ def run_host(
     run_dir = Path(start["run_dir"])  # the kernel's path, on this host
     private_folder(run_dir.parent)
     private_folder(run_dir)
-    payload_fd = os.memfd_create("nbaccel-payload")
-    os.write(payload_fd, start["payload"])
+    payload_fd = _payload_file(start["payload"])
     # The payload's large buffers, received once for this host: one segment each, which
     # every worker forked below maps (sharing.segments).
     data_fds = [_segment(data) for data in start.get("data", ())]
@@ -282,6 +282,22 @@ def run_host(
         os.close(payload_fd)
         close_fds(data_fds)
         shutil.rmtree(elastic_dir, ignore_errors=True)
+
+
+def _payload_file(payload: bytes) -> int:
+    """A file holding ``payload`` for elastic's forked workers: a memfd, or a temporary file
+    where this host's Python can make none (``memfd``)."""
+    try:
+        fd = new_fd("nbaccel-payload")
+    except NoSharedMemory:
+        fd = os.dup((file := tempfile.TemporaryFile()).fileno())
+        file.close()
+    try:
+        pwrite_all(fd, memoryview(payload), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _segment(data: bytes) -> int:

@@ -74,7 +74,7 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
         run = Run(planned.run_id, run_dir, config, planned.world_size, ranks=ranks)
         shown(show(run, planned.gpus))
         payload = planned.payload
-        run.notices = [payload.notice] if payload.notice else []
+        run.notices = list(payload.notices)
         with tempfile.TemporaryFile() as payload_file:
             payload_file.write(payload.data)
             payload_file.flush()

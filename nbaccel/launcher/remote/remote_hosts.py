@@ -32,13 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nbaccel.launcher.bootstrap.payload import read_payload
+from nbaccel.launcher.bootstrap.payload import for_other_hosts, read_payload
 from nbaccel.launcher.planned import JobMachine
 from nbaccel.launcher.remote.agent_link import AGENT_ARGV, AGENTS, AgentLink
 from nbaccel.launcher.remote.debug_relay import DebugRelay
 from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.launcher.sharing.packing import take_shared
-from nbaccel.launcher.sharing.segments import read_all
 from nbaccel.launcher.starter import StarterListener
 
 STDERR_TAIL_LINES = 20
@@ -131,10 +130,10 @@ class RemoteHosts:
         fds, data_fds, _ = take_shared(fds, request)
         with self._lock:
             if not self._payload:
-                self._payload = read_payload(fds[0])
-                # The payload's shared-memory segments, read once: each agent gets them
-                # once and shares them with its host's ranks (agent_run).
-                self._data = [read_all(fd) for fd in data_fds]
+                # The payload's buffers, read once out of its shared-memory segments (only
+                # those it uses): each agent gets them once and shares them with its
+                # host's ranks (agent_run).
+                self._payload, self._data = for_other_hosts(read_payload(fds[0]), data_fds)
             self._pipes[rank] = (os.dup(fds[1]), os.dup(fds[2]))
             self._debug.add(rank, os.dup(fds[3]))  # every rank's spawn carries its channel
             complete = len(self._pipes) == self.world_size

@@ -20,18 +20,22 @@ keeps the pages. This is a resource cache, like the helper process: it holds no 
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import resource
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbaccel.launcher.sharing.digests import digest
+from nbaccel.launcher.sharing.digests import copy_digest, digest
 from nbaccel.launcher.sharing.late_check import LateCheck
+from nbaccel.launcher.sharing.memfd import NoSharedMemory
 from nbaccel.launcher.sharing.packing import BufferRef, Dumps, Packed, close_fds, split
 from nbaccel.launcher.sharing.segments import Segment, aligned, buffer_address
+from nbaccel.launcher.sharing.tensors import owner_of
 
 GIB = 1 << 30
 
@@ -126,43 +130,48 @@ class SegmentCache:
             now = self._placements
             found: list[tuple[Segment, int] | None] = []
             keys = [(buffer_address(buffer), buffer.nbytes) for buffer in buffers]
-            digests: dict[int, bytes] = {}  # of the buffers written here, by index
             unchecked: list[_Unchecked] = []
             for index, (key, buffer) in enumerate(zip(keys, buffers, strict=True)):
                 entry = self._entries.get(key)
                 if entry is not None and settle_later:
                     unchecked.append(_Unchecked(index, key, buffer, entry.digest))
-                else:
-                    content = digest(buffer)
-                    if entry is None or content != entry.digest:
-                        digests[index] = content
-                        found.append(None)
-                        continue
+                elif entry is None or digest(buffer) != entry.digest:
+                    found.append(None)
+                    # Changed: its old copy goes before the new one is written, so that
+                    # the memory holds one copy at a time (where no other entry or run
+                    # holds the old segment; a run's mapping keeps its pages for it).
+                    self._drop(key)
+                    continue
                 entry.used = now
                 found.append((entry.segment, entry.offset))
             missing = [index for index, hit in enumerate(found) if hit is None]
             if missing:
                 try:
-                    segment, offsets = Segment.write([buffers[i] for i in missing])
+                    # The digests kept are of the bytes as they were copied: a thread that
+                    # changes an array meanwhile cannot leave a segment its digest belies.
+                    segment, offsets, digests = Segment.write_with(
+                        [buffers[i] for i in missing], copy_digest
+                    )
                 except OSError as error:
-                    raise Refused(
-                        f"no shared memory could be had for the arrays and tensors sent to "
-                        f"the workers ({error}), so they went through the pipe, a copy per "
-                        "rank; free some memory, or set shared_memory_limit_gb=0 to stop trying"
-                    ) from error
+                    raise Refused(_why_not(error)) from error
                 self.bytes_written += sum(buffers[i].nbytes for i in missing)
                 self._segments[id(segment)] = segment
-                for index, offset in zip(missing, offsets, strict=True):
+                for index, offset, content in zip(missing, offsets, digests, strict=True):
                     found[index] = (segment, offset)
-                    self._remember(
-                        keys[index], buffers[index], digests[index], segment, offset, now
-                    )
+                    self._remember(keys[index], buffers[index], content, segment, offset, now)
             used = {id(hit[0]) for hit in found if hit is not None}
             self._drop_orphans(now)
             self._evict(limit, keep=used)
-            order: dict[int, int] = {}
-            fds: list[int] = []
-            refs: list[BufferRef] = []
+            return self._placement(found, buffers), unchecked
+
+    def _placement(
+        self, found: list[tuple[Segment, int] | None], buffers: Sequence[memoryview]
+    ) -> Placement:
+        """The placement's own fd of each segment it uses, and each buffer's ref."""
+        order: dict[int, int] = {}
+        fds: list[int] = []
+        refs: list[BufferRef] = []
+        try:
             for hit, buffer in zip(found, buffers, strict=True):
                 assert hit is not None
                 segment, offset = hit
@@ -170,7 +179,10 @@ class SegmentCache:
                     order[id(segment)] = len(fds)
                     fds.append(os.dup(segment.fd))
                 refs.append((order[id(segment)], offset, buffer.nbytes))
-            return Placement(tuple(refs), fds), unchecked
+        except OSError as error:  # out of fds, most likely: none made so far stays open
+            close_fds(fds)
+            raise Refused(_why_not(error)) from error
+        return Placement(tuple(refs), fds)
 
     def settle(
         self, unchecked: list[_Unchecked], late: int, late_index: int, room: int
@@ -190,23 +202,28 @@ class SegmentCache:
     def _write_changed(
         self, unchecked: list[_Unchecked], late: int, late_index: int, room: int
     ) -> dict[int, BufferRef]:
-        changed = [
-            (item, content) for item in unchecked if (content := digest(item.buffer)) != item.digest
-        ]
+        changed = [item for item in unchecked if digest(item.buffer) != item.digest]
         if not changed:
             return {}
+        for item in changed:  # the old copy goes first, as in ``place``
+            self._drop(item.key)
         mine = os.dup(late)  # the cache keeps the segment; the launch closes its own fd
         try:
-            segment, offsets = Segment.write(
-                [memoryview(bytes(room)), *(item.buffer for item, _ in changed)], into=mine
+            # Unsealed: ``late_check`` writes its header at the start, then seals it. The
+            # digests kept are of the bytes copied, as in ``place``.
+            segment, offsets, digests = Segment.write_with(
+                [memoryview(bytes(room)), *(item.buffer for item in changed)],
+                copy_digest,
+                into=mine,
+                seal=False,
             )
         except BaseException:
             os.close(mine)
             raise
-        self.bytes_written += sum(item.buffer.nbytes for item, _ in changed)
+        self.bytes_written += sum(item.buffer.nbytes for item in changed)
         self._segments[id(segment)] = segment
         refs: dict[int, BufferRef] = {}
-        for (item, content), offset in zip(changed, offsets[1:], strict=True):
+        for item, offset, content in zip(changed, offsets[1:], digests[1:], strict=True):
             self._remember(item.key, item.buffer, content, segment, offset, self._placements)
             refs[item.index] = (late_index, offset, item.buffer.nbytes)
         return refs
@@ -237,11 +254,17 @@ class SegmentCache:
                     return Packed(kept.data), None, None
                 try:
                     placement, unchecked = self.place(kept.buffers, limit, settle_later)
+                    if unchecked:
+                        settle = functools.partial(self.settle, unchecked)
+                        try:
+                            placement.add_check(LateCheck(placement.refs, kept.asked, settle))
+                        except OSError as error:
+                            placement.close()
+                            raise Refused(_why_not(error)) from error
                 except Refused as why:
-                    return Packed(dumps(obj, None)), None, str(why)
-                if unchecked:
-                    settle = functools.partial(self.settle, unchecked)
-                    placement.add_check(LateCheck(placement.refs, kept.asked, settle))
+                    # No shared memory at all is said once (``memfd.take_notice``).
+                    told = isinstance(why.__cause__, NoSharedMemory)
+                    return Packed(dumps(obj, None)), None, None if told else str(why)
                 packed = Packed(kept.data, kept.refs(placement.refs))
                 del kept  # buffer objects made for this pickle go now (see _forget)
                 return packed, placement, None
@@ -257,13 +280,19 @@ class SegmentCache:
         offset: int,
         now: int,
     ) -> None:
-        old = self._entries.pop(key, None)
+        self._drop(key)
         owner: weakref.ref[object] | None = None
         try:
-            owner = weakref.ref(buffer.obj, lambda _: self._forget(key, owner))
+            # The object the user holds: a tensor's buffer is a numpy view of its storage
+            # made for this pickle (``tensors``), which dies with it.
+            owner = weakref.ref(owner_of(buffer.obj), lambda _: self._forget(key, owner))
         except TypeError:
             pass  # an owner without weak references: kept while launches use it
         self._entries[key] = _Entry(segment, offset, buffer.nbytes, content, owner, now)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Forget ``key``'s entry; its segment goes once no entry uses it."""
+        old = self._entries.pop(key, None)
         if old is not None:
             self._close_unused(old.segment)
 
@@ -306,6 +335,25 @@ class SegmentCache:
         if self._segments.pop(id(segment), None) is not None:
             segment.close()
         return True
+
+
+def _why_not(error: OSError) -> str:
+    """What a user is told when shared memory could not be had for a launch's data."""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        hard = 65536 if hard == resource.RLIM_INFINITY else hard
+        return (
+            f"the kernel may open no more files ({error.strerror}: its limit on open file "
+            f"descriptors, ulimit -n, is {soft}), so the arrays and tensors sent to the "
+            "workers went through the pipe, a copy per rank; raise the limit before "
+            "starting Jupyter (ulimit -n 65536), or in the kernel: import resource; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({hard}, {hard}))"
+        )
+    return (
+        f"no shared memory could be had for the arrays and tensors sent to the workers "
+        f"({error}), so they went through the pipe, a copy per rank; free some memory, or "
+        "set shared_memory_limit_gb=0 to stop trying"
+    )
 
 
 def limit_bytes(gib: float | None) -> int:

@@ -10,9 +10,9 @@ nothing while it is shorter than the ranks' start.
 Two more fds travel last among the launch's data fds: an empty memfd (the *late* segment)
 and the read end of a pipe. Data that changed in place is written into the late segment,
 after a header at its start: the refs every rank must use instead (a count, then three
-64-bit integers per ref); then one byte per rank goes down the pipe. A rank that reads end
-of file instead (the kernel failed or died while checking) stops with an error: no rank
-ever reads data that was not checked.
+64-bit integers per ref); the segment is sealed, then one byte per rank goes down the
+pipe. A rank that reads end of file instead (the kernel failed or died while checking)
+stops with an error: no rank ever reads data that was not checked.
 
 >>> import numpy, os
 >>> from nbaccel.launcher.sharing.cache import SegmentCache
@@ -36,6 +36,7 @@ import struct
 import weakref
 from collections.abc import Callable, Sequence
 
+from nbaccel.launcher.sharing.memfd import new_fd, seal
 from nbaccel.launcher.sharing.packing import BufferRef, close_fds
 from nbaccel.launcher.sharing.segments import NAME, pwrite_all
 
@@ -53,8 +54,12 @@ class LateCheck:
 
     def __init__(self, refs: Sequence[BufferRef], asked: Sequence[int], settle: Settle) -> None:
         self.refs, self.asked, self._settle = list(refs), list(asked), settle
-        self.late = os.memfd_create(NAME, os.MFD_CLOEXEC)
-        self.ready, self._ready_write = os.pipe()
+        self.late = new_fd(NAME)
+        try:
+            self.ready, self._ready_write = os.pipe()
+        except BaseException:
+            os.close(self.late)
+            raise
         # Dropped unsettled (a launch that failed before its ranks): nothing stays open.
         self._closer = weakref.finalize(self, close_fds, [self.late, self.ready, self._ready_write])
 
@@ -74,6 +79,7 @@ class LateCheck:
                 header = COUNT.pack(len(self.asked))
                 header += b"".join(REF.pack(*refs[index]) for index in self.asked)
                 pwrite_all(self.late, memoryview(header), 0)
+            seal(self.late)  # written: no rank can change or cut it under the others
             os.write(self._ready_write, b"\1" * ranks)
         finally:
             self.close()

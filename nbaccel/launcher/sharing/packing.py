@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbaccel.launcher.sharing.segments import Segment, buffer_address, map_private
+from nbaccel.launcher.sharing.segments import Segment, aligned, buffer_address, map_private
 
 # Buffers smaller than this travel inside the pickle: a copy of them costs less than a
 # mapping (and a small array is often pickled again with changes).
@@ -140,6 +140,37 @@ def unpack_mapped(
         return loads(packed.data)
     buffers = [maps[index][offset : offset + length] for index, offset, length in packed.refs]
     return loads(packed.data, buffers=buffers)
+
+
+def gather(refs: Sequence[BufferRef], fds: Sequence[int]) -> tuple[tuple[BufferRef, ...], bytes]:
+    """The bytes of the buffers ``refs`` name, read out of their segments ``fds`` into one
+    segment's bytes (each buffer at a page boundary, as ``segments`` lays them out), and
+    the refs into it: what crosses to another machine. The segments may hold other
+    launches' buffers too (the kernel's cache writes several into one), which stay here.
+
+    >>> import numpy
+    >>> packed, segment = pack_fresh([numpy.ones(1 << 18, "f4"), numpy.zeros(1 << 18)], dumps_plain)
+    >>> refs, data = gather(packed.refs[1:], [segment.fd])  # only the second buffer
+    >>> segment.close()
+    >>> refs, len(data) == 8 << 18
+    (((0, 0, 2097152),), True)
+    """
+    places: dict[tuple[int, int, int], int] = {}
+    size = 0
+    for ref in refs:
+        if ref not in places:
+            places[ref] = size
+            size += aligned(ref[2])
+    data = bytearray(size)
+    for (index, offset, length), start in places.items():
+        view = memoryview(data)[start : start + length]
+        done = 0
+        while done < length:
+            read = os.preadv(fds[index], [view[done:]], offset + done)
+            if read == 0:
+                raise OSError(f"a shared-memory segment ended early ({offset + done} bytes)")
+            done += read
+    return tuple((0, places[ref], ref[2]) for ref in refs), bytes(data)
 
 
 def close_fds(fds: Iterable[int] | Mapping[Any, int]) -> None:

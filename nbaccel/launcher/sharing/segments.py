@@ -1,12 +1,13 @@
 """Memfd segments: buffers written once into anonymous shared memory, mapped by each process
-that is handed the fd.
+that is handed the fd (``memfd.new_fd``: an unnamed /dev/shm file where no memfd can be had).
 
 A segment is one memfd holding several buffers, each at a page-aligned offset, so that a
 rank's write into one buffer copies only that buffer's pages. Its fd reaches other
 processes with a launch's other fds (``SCM_RIGHTS`` over a local socket, or inherited), so
 nothing can outlive the processes that hold it: no name in ``/dev/shm`` to reap, and no
 ``/dev/shm`` size limit to meet (Docker's 64 MB default does not apply to a memfd). The
-memory is the machine's, as any process's is.
+memory is the machine's, as any process's is. A segment is sealed once written
+(``memfd.seal``): no holder of its fd can write, shrink or grow it.
 
 Receivers map it private and writable (``MAP_PRIVATE``): reading shares the pages; a write
 copies the page it touches for that process alone, so a rank's write never reaches the
@@ -33,8 +34,10 @@ import ctypes
 import functools
 import mmap
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from nbaccel.launcher.sharing import memfd
 
 PAGE = mmap.PAGESIZE
 NAME = "nbaccel-data"  # how a segment shows in /proc/PID/fd: "/memfd:nbaccel-data (deleted)"
@@ -43,6 +46,7 @@ SHMEM_HUGE_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 HUGE_PAGE = 2 << 20  # below this a segment cannot hold a huge page (x86-64, arm64 4K)
 MAP_FIXED = 0x10  # Linux's value on x86, arm, riscv and powerpc; the mmap module lacks it
 MADV_COLLAPSE = 25  # Linux 6.1+; the mmap module names it from Python 3.13 only
+T = TypeVar("T")
 
 
 def aligned(size: int) -> int:
@@ -63,36 +67,66 @@ class Segment:
 
     @classmethod
     def write(
-        cls, buffers: Sequence[memoryview], into: int | None = None
+        cls, buffers: Sequence[memoryview], into: int | None = None, *, seal: bool = True
     ) -> tuple[Segment, list[int]]:
         """A segment holding ``buffers`` (contiguous), and each one's offset: a new memfd, or
         ``into`` (an empty one this process was given, which the segment then owns).
+        ``seal``: sealed once written (``memfd.seal``; the caller seals it after writing
+        more into it otherwise).
 
         Raises OSError when the memory cannot be had (the caller falls back to the pipe).
         """
-        offsets, size = [], 0
-        for buffer in buffers:
-            offsets.append(size)
-            size += aligned(buffer.nbytes)
-        fd = os.memfd_create(NAME, os.MFD_CLOEXEC) if into is None else into
+        segment, offsets, _ = cls.write_with(buffers, _copy, into, seal=seal)
+        return segment, offsets
+
+    @classmethod
+    def write_with(
+        cls,
+        buffers: Sequence[memoryview],
+        copy: Callable[[memoryview, memoryview], T],
+        into: int | None = None,
+        *,
+        seal: bool = True,
+    ) -> tuple[Segment, list[int], list[T]]:
+        """``write``, each buffer's bytes given to ``copy(target, source)`` to put into
+        place: also what each ``copy`` returned (``digests.copy_digest`` returns the digest
+        of what it wrote)."""
+        offsets = layout(buffers)
+        size = offsets[-1] + aligned(buffers[-1].nbytes) if buffers else 0
+        fd = memfd.new_fd(NAME) if into is None else into
         try:
             os.ftruncate(fd, size)
-            if size >= HUGE_PAGE:
-                _write_huge(fd, size, buffers, offsets)
-            else:
-                for buffer, offset in zip(buffers, offsets, strict=True):
-                    pwrite_all(fd, buffer, offset)
+            done = _fill(fd, size, buffers, offsets, copy)
+            if seal:
+                memfd.seal(fd)
         except BaseException:
             if into is None:
                 os.close(fd)
             raise
-        return cls(fd, size), offsets
+        return cls(fd, size), offsets, done
 
     def close(self) -> None:
         """Close this process's fd (processes that mapped or hold it keep their pages)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def layout(buffers: Sequence[memoryview]) -> list[int]:
+    """Where each buffer goes in a segment: each at a page boundary, in order.
+
+    >>> layout([memoryview(b"abc"), memoryview(b"defg")])
+    [0, 4096]
+    """
+    offsets, size = [], 0
+    for buffer in buffers:
+        offsets.append(size)
+        size += aligned(buffer.nbytes)
+    return offsets
+
+
+def _copy(target: memoryview, source: memoryview) -> None:
+    target[:] = source
 
 
 def map_private(fd: int) -> memoryview:
@@ -102,16 +136,18 @@ def map_private(fd: int) -> memoryview:
     size = os.fstat(fd).st_size
     if size == 0:
         return memoryview(bytearray())
-    return _map(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    return _map(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)[1]
 
 
-def _map(fd: int, size: int, flags: int, prot: int) -> memoryview:
+def _map(fd: int, size: int, flags: int, prot: int) -> tuple[mmap.mmap, memoryview]:
     # A huge page maps only where the address and the file offset agree modulo 2 MiB, and
     # the kernel places a shared-memory file anywhere unless its policy allows huge pages.
     # So the file goes over a 2 MiB boundary inside an anonymous mapping 2 MiB larger,
-    # which Python owns: it is unmapped, file and all, once no view of it is left.
+    # which Python owns: it is unmapped, file and all, once no view of it is left (or at
+    # its ``close``).
     if size < HUGE_PAGE:
-        return memoryview(mmap.mmap(fd, size, flags=flags, prot=prot))
+        whole = mmap.mmap(fd, size, flags=flags, prot=prot)
+        return whole, memoryview(whole)
     room = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=prot)
     start = buffer_address(memoryview(room))
     skip = -start % HUGE_PAGE
@@ -120,17 +156,7 @@ def _map(fd: int, size: int, flags: int, prot: int) -> memoryview:
         errno = ctypes.get_errno()
         room.close()
         raise OSError(errno, f"could not map a shared segment: {os.strerror(errno)}")
-    return memoryview(room)[skip : skip + size]
-
-
-def read_all(fd: int) -> bytes:
-    """A segment's bytes, copied (what crosses to another machine)."""
-    size = os.fstat(fd).st_size
-    chunks, offset = [], 0
-    while offset < size and (chunk := os.pread(fd, min(size - offset, 1 << 30), offset)):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
+    return room, memoryview(room)[skip : skip + size]
 
 
 def shmem_huge_mode(setting: str = SHMEM_HUGE_SETTING) -> str:
@@ -148,32 +174,49 @@ def shmem_huge_mode(setting: str = SHMEM_HUGE_SETTING) -> str:
     return next((word[1:-1] for word in words if word.startswith("[")), "never")
 
 
-def _write_huge(fd: int, size: int, buffers: Sequence[memoryview], offsets: list[int]) -> None:
-    # Memory written through ``pwrite`` or a plain mapping gets 4 KiB pages, which a rank
-    # reads at a third of the speed: 1 GiB in 0.14 s here, against 0.045 s for huge pages
-    # or a fork reading the kernel's arrays (numpy's are on huge pages); the cost is the
-    # page faults, 512 times as many. The policy "advise" gives huge pages to a mapping
-    # marked MADV_HUGEPAGE ("always", "within_size" and "force" to any); under "never",
-    # the usual default, MADV_COLLAPSE (Linux 6.1+) still builds them on request: it
-    # needs a page present in each 2 MiB, and then 1 GiB costs ~0.06 s, the time of
-    # zeroing it, after which the writes below are a plain copy (0.05 s, against 0.3 s or
-    # more into 4 KiB pages). Where neither is allowed ("deny", an older kernel, memory too
-    # fragmented) the writes get 4 KiB pages as before.
-    target = _map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+def _fill(
+    fd: int,
+    size: int,
+    buffers: Sequence[memoryview],
+    offsets: list[int],
+    copy: Callable[[memoryview, memoryview], T],
+) -> list[T]:
+    # Written through a shared mapping, which is unmapped before the segment is sealed (a
+    # writable shared mapping left would refuse the seal). Memory written through
+    # ``pwrite`` or a plain mapping gets 4 KiB pages, which a rank reads at a third of the
+    # speed: 1 GiB in 0.14 s here, against 0.045 s for huge pages or a fork reading the
+    # kernel's arrays (numpy's are on huge pages); the cost is the page faults, 512 times
+    # as many. The policy "advise" gives huge pages to a mapping marked MADV_HUGEPAGE
+    # ("always", "within_size" and "force" to any); under "never", the usual default,
+    # MADV_COLLAPSE (Linux 6.1+) still builds them on request: it needs a page present in
+    # each 2 MiB, and then 1 GiB costs ~0.06 s, the time of zeroing it, after which the
+    # copies below are plain (0.05 s, against 0.3 s or more into 4 KiB pages). Where
+    # neither is allowed ("deny", an older kernel, memory too fragmented) the copies get
+    # 4 KiB pages as before.
+    if size == 0:
+        return [copy(memoryview(bytearray()), as_bytes(buffer)) for buffer in buffers]
+    whole, target = _map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
-        mode = shmem_huge_mode()
-        if mode not in ("never", "deny"):
-            _advise(target, mmap.MADV_HUGEPAGE, size)
-        elif mode == "never":
-            whole = size - size % HUGE_PAGE
-            for offset in range(0, whole, HUGE_PAGE):
-                os.pwrite(fd, b"\0", offset)
-            _advise(target, MADV_COLLAPSE, whole)
+        if size >= HUGE_PAGE:
+            mode = shmem_huge_mode()
+            if mode not in ("never", "deny"):
+                _advise(target, mmap.MADV_HUGEPAGE, size)
+            elif mode == "never":
+                huge = size - size % HUGE_PAGE
+                for offset in range(0, huge, HUGE_PAGE):
+                    os.pwrite(fd, b"\0", offset)
+                _advise(target, MADV_COLLAPSE, huge)
+        done = []
         for buffer, offset in zip(buffers, offsets, strict=True):
             data = as_bytes(buffer)
-            target[offset : offset + data.nbytes] = data
+            done.append(copy(target[offset : offset + data.nbytes], data))
+        return done
     finally:
         target.release()
+        try:
+            whole.close()
+        except BufferError:  # a view still held by an error's traceback: unmapped with it
+            pass
 
 
 def _advise(view: memoryview, advice: int, size: int) -> None:
