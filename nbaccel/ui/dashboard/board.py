@@ -389,5 +389,6 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
             self.summary_png = self._summary_picture(self._plots[0])
             self._pool.give(self._plots[1:])  # the next dashboard blits onto their axes
             self._plots = None
-        self._publish_summary()
+        if self._publish_summary() and self.built:
+            self._leave_pictures_to_summary()  # the live cell shows them once
         self._finished.set()

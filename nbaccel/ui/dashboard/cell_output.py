@@ -55,9 +55,10 @@ class CellOutput:
         bundle["text/plain"] = "nbaccel live dashboard (its final summary follows)"
         return bundle
 
-    def _publish_summary(self) -> None:
+    def _publish_summary(self) -> bool:
+        """Write the summary into its reserved outputs; whether it has a picture there."""
         if self._summary_outputs is None:
-            return
+            return False
         text_output, image_output = self._summary_outputs
         text = self.summary_text
         text_output.update(
@@ -66,3 +67,4 @@ class CellOutput:
         if self.summary_png is not None:
             image = base64.b64encode(self.summary_png).decode("ascii")
             image_output.update({"image/png": image, "text/plain": text.split("\n")[0]}, raw=True)
+        return self.summary_png is not None

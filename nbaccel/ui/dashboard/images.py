@@ -84,6 +84,14 @@ class DashboardImages:
             text = memory_html(readings, ended=done, estimate=model.estimate)
             self._set("memory_text", self.memory_text, "value", text)
 
+    def _leave_pictures_to_summary(self) -> None:
+        """Hide the widgets' curve and memory bars once the summary's picture, just below,
+        shows them (a finished run drew them twice). The saved notebook keeps the summary;
+        a metric or a run picked after the end shows the widgets' curve again, drawn anew
+        (``_write_images`` sets ``curve_shown`` back)."""
+        self._set("curve_shown", self.curve.layout, "display", "none")
+        self._set("memory_shown", self.memory.layout, "display", "none")
+
     def _summary_picture(self, plots: Any) -> bytes | None:
         """The picture the cell keeps: the final frames as shown (one metric at most: its
         curve, then the memory bars, ~3 ms), or every metric drawn anew (~40-100 ms); a run

@@ -194,6 +194,10 @@ class DashboardWidgets:
         self._set("stacks_disabled", self.stacks_button, "disabled", stacks_inert)
         if self._stopping and not done:
             self._set("stop_label", self.stop_button, "description", "Stopping…")
+        if done:  # nothing left to stop: the button no longer looks armed, nor says how
+            self._set("stop_label", self.stop_button, "description", "Ended")
+            self._set("stop_style", self.stop_button, "button_style", "")
+            self._set("stop_note", self.stop_note, "value", "")
         self._dirty_text = False
 
     def _pick_metric(self) -> None:
