@@ -6,6 +6,7 @@ Every message says what happened, why, and what to do about it. Plain data, stdl
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -48,8 +49,12 @@ class RemoteTraceback(Exception):
 class WorkerError(RuntimeError):
     """A worker failed and its own exception could not be re-raised in the parent.
 
-    Attributes name the failing rank and, for a process that died, its exit code or signal.
+    Attributes name the failing rank and, for a process that died, its exit code or signal;
+    ``run_dir`` is the run's folder (every rank's whole output, ``rank<N>.log``), set for a
+    launch's error: ``notebook_launcher``'s caller has no ``Run`` to ask.
     """
+
+    run_dir: Path | None = None
 
     def __init__(
         self,
@@ -106,8 +111,26 @@ class CollectiveTimeout(WorkerError):
         self.stuck_ranks = stuck_ranks
 
 
-def describe_exit(rank: int, status: int) -> WorkerError:
-    """Turn a raw exit code (negative = killed by that signal) into an explained error.
+def logs_hint(rank: int, run_dir: Path | None) -> str:
+    """How to read a rank's whole output from where the error is raised: its file in the run
+    folder (``notebook_launcher`` returns no ``Run``), and ``run.logs`` for ``launch``'s.
+
+    >>> print(logs_hint(1, Path("/runs/r1")))
+    print(open('/runs/r1/rank1.log').read()) in a cell, or run.logs(1) on a Run from nbaccel.launch
+    >>> logs_hint(1, None)
+    'run.logs(1)'
+    """
+    if run_dir is None:
+        return f"run.logs({rank})"
+    log = str(run_dir / f"rank{rank}.log")
+    return (
+        f"print(open({log!r}).read()) in a cell, or run.logs({rank}) on a Run from nbaccel.launch"
+    )
+
+
+def describe_exit(rank: int, status: int, run_dir: Path | None = None) -> WorkerError:
+    """Turn a raw exit code (negative = killed by that signal) into an explained error;
+    ``run_dir``: the run's folder, where the rank's output is (named in the message).
 
     >>> str(describe_exit(1, -9)).splitlines()[0]
     'rank 1 was killed by SIGKILL (signal 9).'
@@ -129,11 +152,13 @@ def describe_exit(rank: int, status: int) -> WorkerError:
         elif name == "SIGSEGV":
             message += (
                 "\nThe process crashed in native code; the Python stack at the crash is at the "
-                f"end of run.logs({rank})."
+                f"end of its output: {logs_hint(rank, run_dir)}."
             )
+        else:  # SIGABRT (a C++ exception: its text is on stderr), SIGTERM from outside, ...
+            message += f"\nIts output may say why: {logs_hint(rank, run_dir)}."
         return WorkerError(message, rank=rank, signal_name=name)
     message = (
         f"rank {rank} exited with code {status} without reporting a result or an exception "
-        f"(os._exit or a crash in native code); see run.logs({rank})."
+        f"(os._exit or a crash in native code). Its output: {logs_hint(rank, run_dir)}."
     )
     return WorkerError(message, rank=rank, exitcode=status)

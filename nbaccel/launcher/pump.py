@@ -352,6 +352,7 @@ class RunPump(StallReports, RestartsSeen):
                 stuck_logs=stuck_logs,
                 host=self._helper.host_of(culprit.rank) if self._helper is not None else None,
                 restarts=self._attempts.restarts_used(),
+                run_dir=self.run_dir,
             )
             self._note_debugged(self._error, stuck)  # a stuck rank that was in pdb
             state = RunState.FAILED

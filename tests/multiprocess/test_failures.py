@@ -109,6 +109,45 @@ def test_exit_code_is_reported(runs_dir: str) -> None:
     assert "exited with code 3" in str(run.error)
 
 
+def exit3_with_output() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        print("rank 1 says why it leaves", flush=True)
+        os._exit(3)
+    dist.barrier()
+
+
+def test_notebook_launcher_error_names_the_run_folder_and_how_to_read_the_log(
+    runs_dir: str,
+) -> None:
+    # notebook_launcher's caller has no Run: "see run.logs(1)" told them nothing they could
+    # type (issue 39, item 17). The error names the rank's log in the run folder, carries
+    # run_dir, and the line it gives reads that log from a cell.
+    with pytest.raises(nbaccel.WorkerError) as caught:
+        nbaccel.notebook_launcher(exit3_with_output, num_processes=2, runs_dir=runs_dir)
+    error = caught.value
+    assert error.rank == 1 and error.exitcode == 3
+    assert error.run_dir is not None and error.run_dir.parent == Path(runs_dir).resolve()
+    log = error.run_dir / "rank1.log"
+    assert "see run.logs" not in str(error)
+    code = re.search(r"print\(open\((.+?)\)\.read\(\)\)", str(error))
+    assert code is not None, str(error)
+    assert eval(code.group(1)) == str(log)  # the path, as a Python literal
+    assert "rank 1 says why it leaves" in log.read_text()
+    assert "run.logs(1) on a Run from nbaccel.launch" in str(error)
+
+
+def test_launch_error_carries_the_run_folder_too(runs_dir: str) -> None:
+    run = failed_run("raise", runs_dir)
+    assert isinstance(run.error, BadBatchError)
+    assert run.error.run_dir == run.run_dir  # type: ignore[attr-defined]
+    with pytest.raises(BadBatchError) as caught:
+        run.result()
+    assert caught.value.run_dir == run.run_dir  # type: ignore[attr-defined]
+
+
 def test_sys_exit_in_a_worker_does_not_exit_the_parent(runs_dir: str) -> None:
     run = failed_run("sys.exit", runs_dir)
     assert type(run.error) is nbaccel.WorkerError

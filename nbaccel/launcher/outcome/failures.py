@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nbaccel import unpickling
@@ -96,18 +97,42 @@ def build_error(
     stuck_logs: Mapping[int, str] | None = None,
     host: str | None = None,
     restarts: tuple[int, int] | None = None,
+    run_dir: Path | None = None,
 ) -> BaseException:
     """The exception the parent raises, with the worker traceback chained as ``__cause__``.
 
     ``host``: where the failing rank ran, on several machines (named in the message).
     ``restarts``: (the attempt that failed, max_restarts) of a run that restarts its workers.
+    ``run_dir``: the run's folder, kept on the error as ``run_dir`` (where every rank's output
+    is: ``notebook_launcher``'s caller has no ``Run``) and named where the output says why.
     """
+    error = _build_error(
+        failure, world_size, collective_timeout, stuck_ranks, stuck_logs, host, restarts, run_dir
+    )
+    if run_dir is not None:
+        try:
+            error.run_dir = run_dir  # type: ignore[attr-defined]
+        except AttributeError:
+            pass  # an exception class with __slots__: its message has what there is
+    return error
+
+
+def _build_error(
+    failure: Failure,
+    world_size: int,
+    collective_timeout: float,
+    stuck_ranks: Sequence[int],
+    stuck_logs: Mapping[int, str] | None,
+    host: str | None,
+    restarts: tuple[int, int] | None,
+    run_dir: Path | None,
+) -> BaseException:
     if failure.error is not None:
         return failure.error
     report = failure.report
     if report is None:
         exited = describe_exit(
-            failure.rank, failure.exitcode if failure.exitcode is not None else 1
+            failure.rank, failure.exitcode if failure.exitcode is not None else 1, run_dir
         )
         if host is not None:
             exited.args = (f"{exited.args[0]} It ran on host {host}.",)

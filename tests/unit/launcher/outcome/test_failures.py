@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +125,29 @@ def test_deaths_by_signal_and_exit_code() -> None:
     assert "SIGSEGV" in str(segv) and "run.logs(0)" in str(segv)
     code = describe_exit(1, 3)
     assert code.exitcode == 3 and "exited with code 3" in str(code)
+
+
+def test_an_exit_names_the_rank_log_in_the_run_folder_and_carries_run_dir() -> None:
+    # notebook_launcher's caller has no Run: "see run.logs(1)" is nothing they can type.
+    run_dir = Path("/tmp/runs/20261129-070000-abcdef")
+    for status in (3, -signal.SIGSEGV, -signal.SIGABRT):
+        error = build_error(
+            Failure(1, "exit", 0.0, exitcode=status),
+            world_size=2,
+            collective_timeout=1,
+            run_dir=run_dir,
+        )
+        assert isinstance(error, WorkerError) and error.run_dir == run_dir
+        text = str(error)
+        assert f"print(open('{run_dir}/rank1.log').read())" in text, text
+        assert "see run.logs" not in text and "of run.logs" not in text
+    raised = build_error(
+        Failure(1, "error", 0.0, report=report(CellError("bad batch"))),
+        world_size=2,
+        collective_timeout=1,
+        run_dir=run_dir,
+    )
+    assert type(raised) is CellError and raised.run_dir == run_dir  # type: ignore[attr-defined]
 
 
 def test_launcher_side_error_is_passed_through() -> None:
