@@ -5,7 +5,10 @@ Every message says what happened, why, and what to do about it. Plain data, stdl
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import types
 from pathlib import Path
 
 
@@ -162,3 +165,70 @@ def describe_exit(rank: int, status: int, run_dir: Path | None = None) -> Worker
         f"(os._exit or a crash in native code). Its output: {logs_hint(rank, run_dir)}."
     )
     return WorkerError(message, rank=rank, exitcode=status)
+
+
+# nbaccel's own folder: frames of its files are what a launch error leaves out.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class hidden_frames(contextlib.AbstractContextManager[None]):
+    """Around a public entry point (``launch``, ``notebook_launcher``): an error nbaccel
+    raises on purpose (its own classes, a run's error, which carries ``run_dir``) leaves
+    with none of nbaccel's frames, as a worker's error does. Its message says what happened
+    and its causes keep their frames outside nbaccel (the user's, a library's). Any other
+    exception, a bug in nbaccel, keeps every frame.
+
+    The traceback is replaced on the way out of the ``with`` block: Python re-raises the
+    exception as it is, and the caller's frames are added on top of none, so plain
+    tracebacks, IPython's and pdb's post-mortem all see the user's frames only (Python 3.11+;
+    3.10 re-raises the traceback it saved, whole).
+
+    >>> import traceback
+    >>> def entry():
+    ...     with hidden_frames():
+    ...         raise ConfigError("num_processes must be >= 1, got 0")
+    >>> try:
+    ...     entry()
+    ... except ConfigError as error:
+    ...     frames = len(traceback.extract_tb(error.__traceback__))
+    >>> frames  # this doctest's own frame only (entry's: 2 before)
+    1
+    """
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        if error is None or not _on_purpose(error):
+            return
+        error.__traceback__ = None
+        seen = {id(error)}
+        cause = _shown_cause(error)
+        while cause is not None and id(cause) not in seen:  # a chain can loop
+            seen.add(id(cause))
+            cause.__traceback__ = _outside_nbaccel(cause.__traceback__)
+            cause = _shown_cause(cause)
+
+
+def _shown_cause(error: BaseException) -> BaseException | None:
+    """The exception a traceback shows above ``error``: its cause, else its context."""
+    if error.__cause__ is not None:
+        return error.__cause__
+    return None if error.__suppress_context__ else error.__context__
+
+
+def _on_purpose(error: BaseException) -> bool:
+    """An error nbaccel raised to say something: one of this module's classes, or a run's
+    error (a rank's own exception type, given ``run_dir`` by the launcher)."""
+    ours = (ConfigError, SerializationError, HelperError, RunCancelled, WorkerError, WorkersEnded)
+    return isinstance(error, ours) or getattr(error, "run_dir", None) is not None
+
+
+def _outside_nbaccel(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback without nbaccel's frames (those of the user and of other libraries)."""
+    kept: list[types.TracebackType] = []
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt

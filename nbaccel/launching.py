@@ -8,11 +8,13 @@ imports the UI (DESIGN.md §2; ``tests/unit/test_import_layers.py``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbaccel.config.accelerate.launcher_keywords import given_arguments
 from nbaccel.config.resolve import ConfigSource
+from nbaccel.errors import hidden_frames
 from nbaccel.launcher.api import start
 from nbaccel.launcher.run import Run
 from nbaccel.ui.choose import choose_display
@@ -55,8 +57,9 @@ def launch(
     """
     # Accelerate's parameters that were given (None: not given, so files and env count).
     given = given_arguments(locals())
-    show = choose_display(dashboard, blocking=False)
-    return start(function, args, num_processes, kwargs, config, given | overrides, show=show)
+    with hidden_frames():  # an error says what is wrong: nbaccel's frames would not
+        show = choose_display(dashboard, blocking=False)
+        return start(function, args, num_processes, kwargs, config, given | overrides, show=show)
 
 
 def notebook_launcher(
@@ -103,14 +106,16 @@ def notebook_launcher(
     """
     # Accelerate's parameters that were given (None: not given, so files and env count).
     given = given_arguments(locals())
-    show = choose_display(dashboard, blocking=True)
-    run = start(function, args, num_processes, kwargs, config, given | overrides, show=show)
-    try:
-        run.wait()
-    except KeyboardInterrupt:
-        run.stop()
-        raise
-    return run.result()
+    with hidden_frames():  # an error says what is wrong: nbaccel's frames would not
+        show = choose_display(dashboard, blocking=True)
+        run = start(function, args, num_processes, kwargs, config, given | overrides, show=show)
+        try:
+            run.wait()
+        except KeyboardInterrupt:
+            interrupted = time.monotonic()
+            run.stop()
+            raise stopped(run, time.monotonic() - interrupted) from None
+        return run.result()
 
 
 def debug_launcher(
@@ -132,4 +137,27 @@ def debug_launcher(
     >>> nbaccel.debug_launcher(where)
     (2, 'cpu')
     """
-    return notebook_launcher(function, args, num_processes, use_cpu=True, mixed_precision="no")
+    with hidden_frames():
+        return notebook_launcher(function, args, num_processes, use_cpu=True, mixed_precision="no")
+
+
+def stopped(run: Run, seconds: float) -> KeyboardInterrupt:
+    """The interrupt ``notebook_launcher`` re-raises once it has stopped the run's workers:
+    it says so (in text mode nothing else does), with how many and how long it took, and
+    carries ``run_dir`` (the run's folder: each rank's output up to the stop).
+
+    >>> from pathlib import Path
+    >>> from nbaccel.config.schema import Config
+    >>> print(stopped(Run("r1", Path("/runs/r1"), Config(), 2), 0.314))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    interrupted: nbaccel stopped the 2 workers of run r1 (and what they started) in 0.31 s;
+    their output is in /runs/r1
+    """
+    workers = len(run.ranks)
+    who = f"the {workers} workers" if workers != 1 else "the worker"
+    interrupt = KeyboardInterrupt(
+        f"interrupted: nbaccel stopped {who} of run {run.run_id} (and what they started) in "
+        f"{seconds:.2f} s; their output is in {run.run_dir}"
+    )
+    interrupt.run_dir = run.run_dir  # type: ignore[attr-defined]
+    return interrupt

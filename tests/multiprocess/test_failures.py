@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -137,6 +138,18 @@ def test_notebook_launcher_error_names_the_run_folder_and_how_to_read_the_log(
     assert eval(code.group(1)) == str(log)  # the path, as a Python literal
     assert "rank 1 says why it leaves" in log.read_text()
     assert "run.logs(1) on a Run from nbaccel.launch" in str(error)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 re-raises a with's saved traceback")
+def test_a_workers_error_from_notebook_launcher_shows_no_nbaccel_frame(runs_dir: str) -> None:
+    import traceback
+
+    with pytest.raises(BadBatchError) as caught:
+        nbaccel.notebook_launcher(rank1_fails, args=("raise",), num_processes=2, runs_dir=runs_dir)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert [frame.name for frame in frames] == [
+        "test_a_workers_error_from_notebook_launcher_shows_no_nbaccel_frame"
+    ]
 
 
 def test_launch_error_carries_the_run_folder_too(runs_dir: str) -> None:

@@ -170,6 +170,9 @@ def test_interrupt_stops_every_process_and_the_next_launch_is_warm(
         assert reply is not None, "the cell did not return within 60 s of the interrupt"
         assert reply["status"] == "error", reply
         assert reply["ename"] == "KeyboardInterrupt", _iopub_text(kc, msg_id)
+        # It says what nbaccel did (a bare KeyboardInterrupt said nothing in text mode).
+        said = "interrupted: nbaccel stopped the 2 workers of run "
+        assert reply["evalue"].startswith(said), reply["evalue"]
         # The helper (a subreaper) reaps its workers and the orphaned DataLoader workers.
         reap_deadline = time.monotonic() + 10
         while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < reap_deadline:
