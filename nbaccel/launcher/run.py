@@ -209,9 +209,13 @@ class Run(RunPump):
             self._debug,
             live,
             host_of=self.host_of,
-            # torch_xla's ranks share their supervisor's process group: all or none.
+            # SIGUSR1 to the rank's pid only: its DataLoader workers and tools would die of
+            # it. torch_xla's ranks are its supervisor's children, in its process group:
+            # only that group reaches them.
             signal_ranks=lambda signum, ranks: self.signal_workers(
-                signum, None if self._xla is not None else ranks
+                signum,
+                None if self._xla is not None else ranks,
+                group=self._xla is not None,
             ),
             log_path=lambda rank: self.run_dir / f"rank{rank}.log",
             timeout=timeout,
@@ -258,11 +262,15 @@ class Run(RunPump):
         only while a call runs (between calls, nothing happening is no stall)."""
         self._post({"op": "watch_stalls", "seconds": self.config.stall_warning if on else None})
 
-    def signal_workers(self, signum: int, ranks: list[int] | None = None) -> None:
+    def signal_workers(
+        self, signum: int, ranks: list[int] | None = None, *, group: bool = True
+    ) -> None:
         """Send ``signum`` to the process group of every live worker of this run (or of
-        ``ranks``): what an interactive worker's interrupt is. Nothing once it has ended."""
+        ``ranks``): what an interactive worker's interrupt is. ``group=False``: to each
+        worker's own pid only, none of the processes it started (a stack dump's SIGUSR1,
+        which would end them). Nothing once it has ended."""
         if self._helper is not None and not self._done.is_set():
-            self._helper.signal(self.run_id, signum, ranks)
+            self._helper.signal(self.run_id, signum, ranks, group=group)
 
     def __repr__(self) -> str:
         return (

@@ -32,8 +32,11 @@ class WorkerStarter(Protocol):
         """Start one rank (``request["rank"]``) on ``fds``: payload, log and event pipes (and
         rank 0's rendezvous socket on one machine). The caller closes its ``fds`` after."""
 
-    def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
-        """Send ``signum`` to the run's live workers (all, or ``ranks``) and their children."""
+    def signal(
+        self, run_id: str, signum: int, ranks: list[int] | None = None, *, group: bool = True
+    ) -> None:
+        """Send ``signum`` to the run's live workers (all, or ``ranks``) and their children;
+        ``group=False``: to the workers only (a stack dump must end none of their children)."""
 
     def host_of(self, rank: int) -> str | None:
         """The host a rank runs on, where there are several (None: this machine)."""

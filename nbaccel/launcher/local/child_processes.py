@@ -1,6 +1,7 @@
 """Pieces of the helper process: how it imports (no garbage collection, then frozen), how
 many spares it forks first and when it forks them again, how it collects exits, signals a
-worker's process group, drains its wake-up pipe, and tells a torch_xla machine.
+worker's process group (or the worker alone), drains its wake-up pipe, and tells a torch_xla
+machine.
 
 Stdlib and nbaccel's base modules only (the helper imports it before torch is needed).
 
@@ -86,6 +87,19 @@ def signal_group(pid: int, signum: int) -> None:
         except ProcessLookupError:
             pass
     except PermissionError:
+        pass
+
+
+def signal_pid(pid: int, signum: int) -> None:
+    """Send ``signum`` to a worker alone, none of the processes it started (gone or not
+    ours: nothing): what a stack dump needs, whose SIGUSR1 would end a DataLoader worker,
+    a subprocess or a tracker's service the rank started.
+
+    >>> signal_pid(2**22 + 12345, 0)  # no such process: nothing happens, nothing raised
+    """
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
         pass
 
 

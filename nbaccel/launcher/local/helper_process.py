@@ -203,9 +203,13 @@ class HelperProcess:
         """Ask for one worker; its exit code (or a spawn failure) goes to the run's listener."""
         self._send({"op": "spawn", **request}, fds)
 
-    def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
-        """Send ``signum`` to the process groups of a run's live workers."""
-        self._send({"op": "signal", "run": run_id, "signal": int(signum), "ranks": ranks})
+    def signal(
+        self, run_id: str, signum: int, ranks: list[int] | None = None, *, group: bool = True
+    ) -> None:
+        """Send ``signum`` to the process groups of a run's live workers (``group=False``:
+        to each worker's pid only)."""
+        message = {"op": "signal", "run": run_id, "signal": int(signum), "ranks": ranks}
+        self._send({**message, "group": group})
 
     def host_of(self, rank: int) -> str | None:
         return None  # every worker runs on this machine

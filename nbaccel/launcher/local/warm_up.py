@@ -32,6 +32,7 @@ from nbaccel.launcher.local.child_processes import (
     drain,
     frozen_imports,
     signal_group,
+    signal_pid,
     xla_machine,
 )
 from nbaccel.launcher.local.preloading.installed_files import LoadedFiles
@@ -109,9 +110,11 @@ class WarmUp:
         def chosen(run_id: str, rank: int) -> bool:
             return run_id == message["run"] and (ranks is None or rank in ranks)
 
+        # A stack dump (SIGUSR1) goes to the rank alone: its children would die of it.
+        to = signal_group if message.get("group", True) else signal_pid
         for pid, (run_id, rank) in list(self.workers.items()):
             if chosen(run_id, rank):
-                signal_group(pid, message["signal"])
+                to(pid, message["signal"])
         for waiting in [w for w in self.deferred if w[0]["op"] == "spawn"]:
             request, fds = waiting
             if chosen(request["run"], request["rank"]):

@@ -147,11 +147,16 @@ class WorkerLinks:
         os.close(self.stop_read)
         os.close(self._stop_write)
 
-    def signal(self, signum: int, ranks: list[int] | None) -> None:
+    def signal(self, signum: int, ranks: list[int] | None, group: bool = True) -> None:
+        """``signum`` to the ranks' process groups (``group=False``: their pids only: a
+        stack dump's SIGUSR1 must end none of the processes a rank started)."""
         with self._lock:
             targets = [pid for rank, pid in self.pids.items() if ranks is None or rank in ranks]
         for pid in targets:
-            _signal_group(pid, signum)
+            if group:
+                _signal_group(pid, signum)
+            else:
+                _signal_pid(pid, signum)
 
     def write_debug(self, rank: int, data: bytes) -> None:
         """The kernel's bytes for a rank's debug channel (none yet, or gone: dropped; the
@@ -257,6 +262,13 @@ def _signal_group(pid: int, signum: int) -> None:
         pass
 
 
+def _signal_pid(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 # The launch in progress, if any: what a signal reaches, and a kill or the kernel's end takes
 # down. Set by the reader as a start arrives (a stop right after it is not lost), cleared by
 # the launch's end unless the next launch has already replaced it.
@@ -301,7 +313,7 @@ def _obey(channel: Channel, starts: queue.Queue[tuple[dict[str, Any], WorkerLink
             signum = int(message["signal"])
             if links.max_restarts and signum != signal.SIGUSR1:  # a stack dump ends nothing
                 links.stop_restarts()
-            links.signal(signum, message.get("ranks"))
+            links.signal(signum, message.get("ranks"), bool(message.get("group", True)))
             # elastic would restart what was killed (its restarts are not the kernel's to
             # take back): end this host's share now, as elastic's end would, and leave.
             killed = links.max_restarts and signum == signal.SIGKILL

@@ -141,9 +141,12 @@ class RemoteHosts:
             self._debug.start()
             self._send_start(0, None)
 
-    def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
+    def signal(
+        self, run_id: str, signum: int, ranks: list[int] | None = None, *, group: bool = True
+    ) -> None:
+        message = {"op": "signal", "signal": int(signum), "ranks": ranks, "group": group}
         for index in range(len(self._links)):
-            self._send(index, {"op": "signal", "signal": int(signum), "ranks": ranks})
+            self._send(index, message)
 
     def offer_modules(self, modules: list[tuple[str, str | None]]) -> None:
         """Agents start their workers through torch elastic, without a helper: nothing to

@@ -80,7 +80,9 @@ class FakeHelper:
     def spawn(self, request: dict[str, Any], fds: list[int]) -> None:
         self.spawned.append((request, [os.dup(fd) for fd in fds]))
 
-    def signal(self, run_id: str, signum: int, ranks: list[int] | None = None) -> None:
+    def signal(
+        self, run_id: str, signum: int, ranks: list[int] | None = None, *, group: bool = True
+    ) -> None:
         self.signals.append((signum, ranks))
 
     def host_of(self, rank: int) -> str | None:
