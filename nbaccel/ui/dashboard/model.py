@@ -112,6 +112,7 @@ class DashboardModel:
         self.state = RunState.PENDING
         self.pids: dict[int, int] = {}
         self.errors: list[ErrorReport] = []
+        self.notices: list[str] = []  # the launcher's Notice texts: the summary lists them apart
         self.errors_version = 0
         self.metrics_version = 0
         self.memory_version = 0
@@ -203,6 +204,7 @@ class DashboardModel:
                 # Provisional: the run's own error (with the traceback) replaces it at the end.
                 self._set_error(ErrorReport(event.rank, exit_text(event.rank, event.exitcode), ""))
         elif isinstance(event, Notice):  # in the first rank's log, as the text output has it
+            self.notices.append(event.text)
             first = self._ranks[0] if self._ranks else 0
             for tail in (first, TOGETHER) if self.together else (first,):
                 self._tail(tail).add(f"nbaccel: {event.text}", False, False)

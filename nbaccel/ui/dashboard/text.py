@@ -7,6 +7,7 @@ tests share one rendering. All text from workers is HTML-escaped.
 from __future__ import annotations
 
 import html
+from collections import Counter
 
 from nbaccel.hardware.memory_estimate import MemoryEstimate
 from nbaccel.ui.dashboard.model import (
@@ -116,6 +117,8 @@ def summary_text(model: DashboardModel) -> str:
     if model.estimate is not None:
         lines.append(estimate_line(model.estimate))
     lines += [f"error: {error.summary}" for error in model.errors]
+    # The launcher's notices are about the run (or another rank): not under a rank's lines.
+    lines += [f"note: {text}" for text in model.notices]
     lines += log_tail_lines(model)
     return "\n".join(lines)
 
@@ -133,22 +136,36 @@ def log_tail_lines(model: DashboardModel) -> list[str]:
     ["rank 0's last 20 lines (all of them: run.logs(0)):", '  epoch 5']
     """
     if model.together:
-        tail = model.tail(TOGETHER)[-SUMMARY_LOG_LINES:]
+        tail = _printed(model, TOGETHER)[-SUMMARY_LOG_LINES:]
         if not tail:
             return []
         label = model.log_choices()[0][0]
         head = f"{label}, the last {len(tail)} lines (each rank's whole log: run.logs(rank)):"
     else:
-        rank = next((r for r in model.ranks if model.tail(r)), None)  # log_ranks may skip 0
+        # log_ranks may skip rank 0
+        rank = next((r for r in model.ranks if _printed(model, r)), None)
         if rank is None:
             return []
-        tail = model.tail(rank)[-SUMMARY_LOG_LINES:]
+        tail = _printed(model, rank)[-SUMMARY_LOG_LINES:]
         head = f"{model.rank_label(rank)}'s last {len(tail)} lines (all of them: run.logs({rank})):"
     cut = [
         line if len(line) <= SUMMARY_LINE_CHARS else line[: SUMMARY_LINE_CHARS - 1] + "…"
         for line in tail
     ]
     return [head, *(f"  {line}" for line in cut)]
+
+
+def _printed(model: DashboardModel, rank: int) -> list[str]:
+    """A rank's tail without the launcher's notices (the live log shows them in the first
+    rank's; the summary lists them apart, as notes: one can be about another rank)."""
+    notices = Counter(f"nbaccel: {text}" for text in model.notices)
+    kept = []
+    for line in model.tail(rank):
+        if notices[line]:
+            notices[line] -= 1
+        else:
+            kept.append(line)
+    return kept
 
 
 def header_html(head: Header, *, stopping: bool) -> str:

@@ -36,3 +36,24 @@ def test_a_launcher_notice_shows_in_the_first_ranks_log() -> None:
     model = DashboardModel(2)
     model.handle(Notice("not preloaded: thready (it started a thread at import)", 0.0))
     assert "nbaccel: not preloaded: thready" in "\n".join(model.tail(0))
+
+
+def test_a_notice_about_another_rank_is_a_note_of_the_summary_not_rank_0s_line() -> None:
+    # The headless breakpoint skip on rank 1 sat under "rank 0's last 1 lines" (issue 39,
+    # item 18): a notice is the launcher's, about the run or any rank.
+    from nbaccel.events import LogLine, Notice
+    from nbaccel.ui.dashboard.text import summary_text
+
+    skipped = "rank 1: a debugger stop at t.py:3 was skipped: nobody can answer"
+    model = DashboardModel(world_size=2)
+    model.handle(LogLine(0, "epoch 1", False, False, 0.0))
+    model.handle(Notice(skipped, 0.0))
+    lines = summary_text(model).splitlines()
+    assert f"note: {skipped}" in lines
+    assert lines[-2:] == ["rank 0's last 1 lines (all of them: run.logs(0)):", "  epoch 1"]
+    assert model.tail(0)[-1] == f"nbaccel: {skipped}"  # the live log still shows it there
+
+    quiet = DashboardModel(world_size=2)  # rank 0 printed nothing: no section for it
+    quiet.handle(Notice(skipped, 0.0))
+    assert "rank 0's last" not in summary_text(quiet)
+    assert f"note: {skipped}" in summary_text(quiet).splitlines()
