@@ -5,7 +5,8 @@ keeps the processes and runs the calls; this adds the display, chosen as a launc
 it (``nbaccel.ui.choose``): in a Jupyter kernel with ipywidgets, every call (a
 ``%%nbaccel`` cell, ``workers.run``...) gets its own dashboard in its cell (log, loss curve,
 memory with each rank's peak, step breakdown), which leaves its summary when the call ends;
-elsewhere, rank-labelled text.
+elsewhere, rank-labelled text. A call that ends within ``dashboard_after`` having printed,
+logged and raised nothing shows nothing (``call_display.py``).
 """
 
 from __future__ import annotations
@@ -58,24 +59,35 @@ class Workers(WorkerGroup):
     def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
         if not self._widgets:
             return super()._display(run, gpus, show_ranks)
-        from nbaccel.ui.attach import attach_dashboard  # ipywidgets, matplotlib: only now
+        from nbaccel.interactive.call_display import CallDisplay, Made
 
         # The ranks whose output this call shows, as the text output shows them: one rank's
         # log, or several ranks' lines together, labelled.
         visible = self._shown(run, show_ranks)
         shown = sorted(visible) if visible is not None else list(run.ranks)
-        parts: list[Subscriber] = []  # the dashboard, and on several machines its memory
-        attach_dashboard(
-            run,
-            blocking=True,
-            gpus=gpus,
-            subscribe=parts.append,
-            rank=shown[0],
-            together=shown if len(shown) > 1 else (),
-        )
 
-        def to_every_part(event: Event) -> None:
-            for part in parts:
-                part(event)
+        def make() -> Made:  # only for a call with something to show (call_display.py)
+            from nbaccel.ui.attach import show_dashboard, subscribe_dashboard
 
-        return to_every_part
+            parts: list[Subscriber] = []  # the dashboard, and on several machines its memory
+            dashboard = subscribe_dashboard(
+                run,
+                blocking=True,
+                gpus=gpus,
+                subscribe=parts.append,
+                rank=shown[0],
+                together=shown if len(shown) > 1 else (),
+            )
+
+            def to_every_part(event: Event) -> None:
+                for part in parts:
+                    part(event)
+
+            def show(live: bool) -> None:
+                if live:  # the call went on past dashboard_after: its widgets now
+                    dashboard.live_after = 0.0
+                show_dashboard(dashboard)
+
+            return to_every_part, show
+
+        return CallDisplay(make, run.config.dashboard_after, visible)

@@ -22,6 +22,7 @@ class CellOutput:
     _summary_outputs: tuple[Any, Any] | None = None
     _widgets_output: Any = None  # the widgets' reserved place (``show(later=True)``)
     _shown_later = False
+    _end_seen: bool  # the run's end has reached the dashboard
     _write_text: Callable[[], None]
 
     def show(self, *, later: bool = False) -> None:
@@ -31,7 +32,9 @@ class CellOutput:
 
         display: Any = ipython_display.display  # untyped in IPython
         self._shown_later = later
-        if later:
+        if later and self._end_seen:
+            pass  # its run has ended (a short interactive call): no widgets will come
+        elif later:
             self._widgets_output = display({"text/plain": ""}, raw=True, display_id=True)
         else:
             self._write_text()  # the header at once; the UI thread goes on when the run starts
