@@ -159,26 +159,34 @@ def test_values_come_back_through_shared_memory(runs_dir: str) -> None:
             assert "memfd:nbaccel-result" in path, (rank, name, path)
             extra = rank * len(value) if name == "numpy" else 0
             assert checksum(value) == checksum(expected[name]) + extra
-    values[0]["numpy"][0] = 99.0  # writable, and private to this process
-    assert values[1]["numpy"][0] == 1.0
+    values[0]["numpy"][0] = 99.0  # writable in the kernel (its own private map of the box)
+    assert values[0]["numpy"][0] == 99.0
 
 
-def write_then_read(data: np.ndarray) -> float:
+def write_then_read(data: np.ndarray) -> tuple[float, float, str]:
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
         data[:] = -1.0  # copy-on-write: this rank's pages only
-    dist.barrier()
-    return float(data[0])
+    dist.barrier()  # rank 1 reads after rank 0 wrote: a shared map would show it the -1s
+    return float(data.min()), float(data.max()), where_it_lies(data)
+
+
+def kernels_segment_holds(data: np.ndarray) -> np.ndarray:
+    """What the kernel's cached segment of ``data`` holds (the copy every rank maps)."""
+    (segment,) = CACHE._segments.values()
+    return np.frombuffer(os.pread(segment.fd, data.nbytes, 0), dtype=data.dtype)
 
 
 def test_a_rank_writing_its_data_changes_no_one_else(runs_dir: str) -> None:
     data = np.ones(MIB, dtype="f8")
     values = nbaccel.launch(write_then_read, args=(data,), num_processes=2, runs_dir=runs_dir)
-    assert values.results() == {0: -1.0, 1: 1.0}
-    assert data.min() == 1.0  # the kernel's array
+    segment = "/memfd:nbaccel-data (deleted)"
+    assert values.results() == {0: (-1.0, -1.0, segment), 1: (1.0, 1.0, segment)}
+    assert data.min() == data.max() == 1.0  # the kernel's array
+    assert kernels_segment_holds(data).min() == 1.0  # the copy the ranks map
     again = nbaccel.launch(write_then_read, args=(data,), num_processes=2, runs_dir=runs_dir)
-    assert again.results() == {0: -1.0, 1: 1.0}  # the segment is as it was
+    assert again.results() == {0: (-1.0, -1.0, segment), 1: (1.0, 1.0, segment)}
 
 
 def first_and_sum(data: np.ndarray) -> tuple[float, float]:
@@ -241,8 +249,9 @@ def test_a_small_limit_sends_the_data_in_the_pickle_and_says_why(runs_dir: str) 
     assert "nbaccel-data" not in off.result() and not off.notices
 
 
-def kinds(value: Any) -> str:
-    return type(value).__name__
+def as_received(value: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The value as the rank got it, and where its large objects lie on the rank."""
+    return value, [mapping_of(id(value[name]))[0] for name in ("text", "blob")]
 
 
 def test_data_whose_pickling_exposes_no_buffer_travels_as_before(runs_dir: str) -> None:
@@ -251,9 +260,10 @@ def test_data_whose_pickling_exposes_no_buffer_travels_as_before(runs_dir: str) 
         "blob": b"y" * (4 * MIB),
         "rows": [(i, str(i)) for i in range(1000)],
     }
-    assert nbaccel.notebook_launcher(kinds, args=(value,), num_processes=2, runs_dir=runs_dir) == (
-        "dict"
-    )
+    run = nbaccel.launch(as_received, args=(value,), num_processes=2, runs_dir=runs_dir)
+    for rank, (got, where) in run.results().items():
+        assert got == value, rank  # whole and unchanged
+        assert not any("nbaccel" in path for path in where), where  # inside the pickle
 
 
 def holders(pids: set[int], names: tuple[str, ...] = SEGMENTS) -> dict[int, list[str]]:
@@ -301,27 +311,58 @@ nbaccel.notebook_launcher(hold, num_processes=2, dashboard="text", {extra})
 """
 
 
-@pytest.mark.parametrize("who", ["kernel", "worker", "agent"])
+NO_MEMFD = """
+import ctypes, os
+del os.memfd_create
+class _NoMemfd(ctypes.CDLL):
+    def __getattr__(self, name):
+        if name in ("memfd_create", "syscall"):
+            raise AttributeError(name)
+        return super().__getattr__(name)
+ctypes.CDLL = _NoMemfd
+"""
+
+
+def shm_names() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if "nbaccel" in name]
+
+
+@pytest.mark.parametrize("who", ["kernel", "worker", "agent", "kernel without memfd"])
 def test_sigkill_leaves_no_segment_anywhere(tmp_path: Path, who: str) -> None:
     # The agent: torch elastic's, which a launch with restarts runs on this machine too.
+    # Without memfd (every process of the launch): the segments are /dev/shm files,
+    # unlinked as soon as made, so nothing is left there either.
     extra = "max_restarts=1" if who == "agent" else "max_restarts=0"
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL.format(extra=extra))
     ready = tmp_path / "ready"
+    env = dict(os.environ)
+    if who == "kernel without memfd":
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(NO_MEMFD)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join((str(tmp_path / "site"), root))
+    shm_before = shm_names()
     kernel = subprocess.Popen(
         [sys.executable, str(script), str(ready)],
         cwd=tmp_path,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=env,
     )
     try:
         files = [Path(f"{ready}{rank}") for rank in (0, 1)]
         wait_for(lambda: all(f.exists() and f.read_text() for f in files), 120, "both ranks")
         rank1 = int(files[1].read_text())
         tree = {kernel.pid} | {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
-        assert {kernel.pid, rank1} <= set(holders(tree)), holders(tree)
-        if who == "kernel":
+        held = holders(tree)
+        assert {kernel.pid, rank1} <= set(held), held
+        if who == "kernel without memfd":  # the segments are /dev/shm files, without a name
+            assert any("/dev/shm/nbaccel-data-" in line for line in held[rank1]), held
+            assert not any("memfd:" in line for line in held[rank1]), held
+            assert shm_names() == shm_before
+        if who.startswith("kernel"):
             victim = kernel.pid
         elif who == "worker":
             victim = rank1
@@ -332,7 +373,7 @@ def test_sigkill_leaves_no_segment_anywhere(tmp_path: Path, who: str) -> None:
         if who != "kernel":
             assert kernel.wait(timeout=120) != 0  # the run failed, the script ended
         wait_for(lambda: not holders(tree), 60, "every holder of a segment to end")
-        assert not [name for name in os.listdir("/dev/shm") if "nbaccel" in name]
+        assert shm_names() == shm_before
     finally:
         kernel.kill()
         kernel.wait()
@@ -377,8 +418,12 @@ def test_fifty_launches_with_100_mb_leak_no_segment_and_no_fd(runs_dir: str) -> 
         assert nbaccel.notebook_launcher(first_and_sum, **launch)[0] == data[0]
     assert me.num_fds() <= fds
     assert CACHE.size <= 101 * MIB  # one segment, the latest
+    # The kernel holds that one segment's fd, and no result box or late segment of any run.
+    assert holders({me.pid}) == {me.pid: ["/memfd:nbaccel-data (deleted)"]}
     helper_tree = {p.pid for p in me.children(recursive=True)}
     assert not holders(helper_tree)
+    CACHE.clear()  # released: no segment is left open in the kernel
+    assert not holders({me.pid})
 
 
 def after_the_gate(gate: str, data: np.ndarray) -> tuple[str, float]:
@@ -444,3 +489,31 @@ def test_arrow_data_is_kept_while_launches_send_it_and_goes_when_they_stop(runs_
     assert CACHE.size >= 8 * MIB
     nbaccel.notebook_launcher(first_and_sum, args=(np.ones(2 * MIB, "f4"),), **launch)
     assert CACHE.size < 10 * MIB  # the table's segment went; the new array's is there
+
+
+def segment_size(data: np.ndarray) -> tuple[str, int]:
+    """The mapping ``data`` lies in on this rank, and its size (its segment's, whole)."""
+    address = int(data.__array_interface__["data"][0])
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, _perms, _offset, _device, _inode, *path = line.split()
+            low, high = (int(edge, 16) for edge in span.split("-"))
+            if low <= address < high:
+                return " ".join(path), high - low
+    raise AssertionError("not mapped")
+
+
+def total(arrays: dict[str, np.ndarray]) -> float:
+    return sum(float(array.sum()) for array in arrays.values())
+
+
+def test_an_agent_gets_only_the_data_its_launch_uses(runs_dir: str) -> None:
+    # A launch with restarts goes through an agent, as one on other hosts does: it is sent
+    # the bytes of the buffers its launch uses, not the kernel's whole cached segments.
+    used, other = np.ones(2 * MIB, dtype="f4"), np.zeros(4 * MIB, dtype="f4")  # 8, 16 MiB
+    launch = dict(num_processes=1, runs_dir=runs_dir, dashboard="text")
+    nbaccel.notebook_launcher(total, args=({"u": used, "o": other},), **launch)
+    assert CACHE.size >= used.nbytes + other.nbytes  # one segment holds both
+    path, size = nbaccel.notebook_launcher(segment_size, args=(used,), max_restarts=1, **launch)
+    assert path == "/memfd:nbaccel-data (deleted)"  # the agent's own segment
+    assert size == used.nbytes, size  # not the 24 MiB of the kernel's segment
