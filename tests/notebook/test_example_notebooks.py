@@ -618,6 +618,12 @@ def _check_debugging(widgets: Widgets, cells: Any, folder: Path) -> None:
     log = "\n".join(_log_lines(widgets, widgets.dashboard("breakpoint")))
     assert "rank 1: a debugger stop at " in log, log
     assert "was skipped: this notebook runs without a frontend that takes input" in log, log
+    # The saved summary lists it as a note of the run, not under rank 0's lines (issue 39).
+    summary, _ = _summary(stopped)
+    notes = [line for line in summary.splitlines() if line.startswith("note: rank 1: ")]
+    assert notes and "a debugger stop at " in notes[0], summary
+    under_rank_0 = summary.split("rank 0's last ", 1)[1] if "rank 0's last " in summary else ""
+    assert "debugger stop" not in under_rank_0, summary  # rank 1's own line may be shown
     printed = cells.stream(cells.cell(nb, "stacks"))
     assert re.search(r"^rank 0: in uneven \(.*\), waiting in all_reduce$", printed, re.M), printed
     assert "Thread MainThread (main):" in printed and "time.sleep(seconds)" in printed, printed
