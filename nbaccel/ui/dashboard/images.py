@@ -90,6 +90,7 @@ class DashboardImages:
         a metric or a run picked after the end shows the widgets' curve again, drawn anew
         (``_write_images`` sets ``curve_shown`` back)."""
         self._set("curve_shown", self.curve.layout, "display", "none")
+        self._set("curve_legend", self.curve_legend, "value", "")  # it names the curve's lines
         self._set("memory_shown", self.memory.layout, "display", "none")
 
     def _summary_picture(self, plots: Any) -> bytes | None:
