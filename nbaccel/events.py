@@ -242,6 +242,17 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """What a launch's workers wait for before they start, said while it lasts (parent
+    only; ``starter.py``'s ``waiting`` message): the helper still importing torch (a first
+    launch), libraries the helper imports for this launch first. The dashboard's state says
+    ``starting: text`` until a worker starts; the text output prints it once."""
+
+    text: str
+    time: float
+
+
+@dataclass(frozen=True)
 class StallWarning:
     """No rank printed, logged a metric or finished a step for ``seconds`` (the launch's
     ``stall_warning``): where each rank is now, read from its stack (parent-made, once per
@@ -290,5 +301,6 @@ Event = (
     | RunRestarted
     | RunEnded
     | Notice
+    | Waiting
     | StallWarning
 )

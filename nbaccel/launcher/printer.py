@@ -23,6 +23,7 @@ from nbaccel.events import (
     SettingsApplied,
     StallWarning,
     StepBreakdown,
+    Waiting,
 )
 from nbaccel.step_board import StepBoard
 
@@ -77,11 +78,12 @@ class TextPrinter:
             self._open_rank = None
         elif isinstance(event, StepBreakdown):
             self._steps.add(event)
-        elif isinstance(event, Notice):
-            self._stream.write(
-                ("\n" if self._open_rank is not None else "") + f"nbaccel: {event.text}\n"
-            )
+        elif isinstance(event, (Notice, Waiting)):
+            said = f"starting: {event.text}" if isinstance(event, Waiting) else event.text
+            self._stream.write(("\n" if self._open_rank is not None else "") + f"nbaccel: {said}\n")
             self._open_rank = None
+            if isinstance(event, Waiting):
+                self._stream.flush()  # said now: the wait is what comes next
         elif isinstance(event, StallWarning):
             self._stream.write(
                 ("\n" if self._open_rank is not None else "") + stall_text(event) + "\n"

@@ -30,7 +30,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +50,20 @@ from nbaccel.events import (
     RunState,
     SettingsApplied,
     StepBreakdown,
+    Waiting,
     WorkerFailed,
     WorkerMessage,
     WorkerStarted,
 )
-from nbaccel.frames import FrameDecoder, UnreadableFrame
+from nbaccel.frames import UnreadableFrame
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.stall import StallReports
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import Failure, build_error, last_output
 from nbaccel.launcher.outcome.restarts import Attempts, RestartsSeen
-from nbaccel.launcher.output import Mark, OutputReader, render
+from nbaccel.launcher.output import Mark, render
+from nbaccel.launcher.rank_pipes import RankPipes as RankPipes  # Run's, and the tests'
 from nbaccel.launcher.results import ResultBoxes, keep_in_folder
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.sharing.packing import Packed
@@ -71,25 +72,6 @@ from nbaccel.launcher.starter import WorkerStarter
 DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren may stay open
 
 Subscriber = Callable[[Event], None]
-
-
-@dataclass
-class RankPipes:
-    """One rank's output and event pipes, as the pump reads them."""
-
-    rank: int
-    log_file: Any
-    log_fd: int
-    event_fd: int
-    output: OutputReader = field(default_factory=OutputReader)  # lines, marks taken out
-    decoder: FrameDecoder = field(default_factory=FrameDecoder)
-    exitcode: int | None = None
-    pid: int | None = None  # reported by the worker when it starts
-    result: bytes | None = None
-    result_refs: tuple[tuple[int, int, int], ...] = ()  # its buffers in the rank's result box
-    result_map: memoryview | None = None  # that box, mapped (sharing.segments.map_private)
-    has_result: bool = False
-    attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
 
 class RunPump(StallReports, RestartsSeen):
@@ -295,6 +277,9 @@ class RunPump(StallReports, RestartsSeen):
             self._on_worker_ended(message, selector)
         elif op == "restarted":
             self._on_restarted(int(message["attempt"]))
+        elif op == "waiting":  # the starter says what the workers wait for (starter.py)
+            self._record({"event": "waiting", "for": message["text"]})
+            self._emit(Waiting(message["text"], time.time()))
         elif op in ("spawn_failed", "helper_died"):
             rank = message.get("rank", 0)
             # Its time is now: a rank's own error reported before it stays the culprit.

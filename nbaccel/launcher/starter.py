@@ -17,7 +17,9 @@ from typing import Any, Protocol
 # "error"} or {"op": "helper_died", "error"} (every rank is gone). Where workers are
 # restarted (torch elastic's max_restarts, remote_hosts.py): {"op": "worker_ended", "rank",
 # "attempt", "status"} (one worker of an attempt ended; status None when unknown) and
-# {"op": "restarted", "attempt"} (attempt N started, N >= 1; its workers follow).
+# {"op": "restarted", "attempt"} (attempt N started, N >= 1; its workers follow). Any starter
+# may say what the workers wait for before they start: {"op": "waiting", "text"} (the
+# helper's torch import, libraries it imports first), shown until a worker starts.
 StarterListener = Callable[[dict[str, Any]], None]
 
 

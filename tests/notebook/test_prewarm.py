@@ -197,6 +197,26 @@ def test_a_launch_in_the_importing_cell_waits_for_that_helper(
     assert values["parents"] == {"0": helper.pid, "1": helper.pid}
 
 
+def test_a_launch_at_import_says_it_waits_for_the_helpers_torch_import(
+    start_kernel: Callable[[str | None], tuple[KernelManager, BlockingKernelClient]],
+    tmp_path: Path,
+) -> None:
+    # The cell used to say nothing for the seconds the helper imports torch (issue 39,
+    # item 19); in text, as in the dashboard's header, it says what the launch waits for.
+    _, kc = start_kernel(None)
+    code = "import os, nbaccel\n" + PARENTS + launch_cell(tmp_path / "runs")
+    said: list[str] = []
+
+    def keep(message: dict[str, Any]) -> None:
+        if message["msg_type"] == "stream":
+            said.append(message["content"]["text"])
+
+    reply = kc.execute_interactive(code, output_hook=keep, timeout=240)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = "".join(said)
+    assert "nbaccel: starting: the helper imports torch (the first launch only" in text, text
+
+
 def test_a_kernel_that_never_launches_leaves_nothing_behind(
     start_kernel: Callable[[str | None], tuple[KernelManager, BlockingKernelClient]],
 ) -> None:

@@ -43,6 +43,10 @@ class Kernel(Protocol):
 WORKER_MODULES = frozenset({"nbaccel.accel"})
 
 
+# What the first launch of a process waits for (the helper's "ready" after its torch import).
+IMPORTING_TORCH = "the helper imports torch (the first launch only; later ones fork from it)"
+
+
 class HelperProcess:
     """A running helper and the channel to it."""
 
@@ -175,6 +179,8 @@ class HelperProcess:
     def subscribe(self, run_id: str, listener: StarterListener) -> None:
         with self._listeners_lock:
             self._listeners[run_id] = listener
+        if not self._answered.is_set():  # its workers wait for torch: said while they do
+            listener({"op": "waiting", "text": IMPORTING_TORCH})
 
     def unsubscribe(self, run_id: str) -> None:
         with self._listeners_lock:

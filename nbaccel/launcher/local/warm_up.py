@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from nbaccel.launcher import control
@@ -58,6 +59,18 @@ PARENT_POLL_SECONDS = 1.0  # how often the helper checks that its parent lives
 ANSWERED_MID_IMPORT = frozenset({"signal", "succeed", "preload"})
 
 
+def package_names(modules: list[str]) -> str:
+    """The packages of these modules, as a launch that waits for them is told: those with
+    the most modules first (the big import the user knows, not its small dependencies).
+
+    >>> package_names(["PIL", "anyio", "transformers", "transformers.utils", "yaml"])
+    'transformers, PIL, anyio and 1 more'
+    """
+    count = Counter(name.split(".")[0] for name in modules)
+    packages = [name for name, _ in count.most_common()]
+    return ", ".join(packages[:3]) + (f" and {len(packages) - 3} more" if packages[3:] else "")
+
+
 class _ParentGone(BaseException):
     """The parent closed the socket or died while a WARM_LATER import was running: unwinds
     out of the import (not an Exception, which warm_up would swallow) to serve()."""
@@ -70,6 +83,7 @@ class WarmUp:
     files: LoadedFiles
     base: tuple[int, socket.socket] | None  # the base, until it succeeds us
     preloading: bool  # libraries asked for are being imported: launches wait
+    preload_names = ""  # their packages, for a launch that waits (``tell_waiting``)
     spares: list[tuple[int, socket.socket]]
     stale: set[int]
     held_report: dict[str, Any] | None
@@ -164,6 +178,7 @@ class WarmUp:
         if self.preloader.unsafe is not None:
             return  # forking is over, and so is preloading
         loaded = len(sys.modules)
+        self.preload_names = package_names(self.preloader.pending)
         self.preloading = True
         try:
             with self.serving_meanwhile(), frozen_imports():
@@ -183,7 +198,17 @@ class WarmUp:
         """A launch came while libraries asked for are still to be imported: import them,
         then serve it (and what came meanwhile) from spares forked after them."""
         self.deferred.insert(0, (message, fds))
+        self.preload_names = package_names(self.preloader.pending)
+        self.tell_waiting(message)
         self.preload()
+
+    def tell_waiting(self, message: dict[str, Any]) -> None:
+        """Tell the kernel that a launch waits for the libraries being preloaded, and which
+        (its ``events.Waiting``: the dashboard and text say so): once, for its first rank."""
+        if message["op"] == "spawn" and message["context"].local_rank == 0:
+            text = f"the helper imports {self.preload_names} first (once, for later launches too)"
+            ids = {"run": message["run"], "rank": message["rank"]}
+            self.reply({"op": "waiting", **ids, "text": text})
 
     def tell_loaded(self) -> None:
         """Tell the kernel the installed files loaded since the last time (few: per import)."""
@@ -286,6 +311,8 @@ class WarmUp:
                     self.handle(message, fds)
                 elif self.deferred or self.preloading or not self.spares:
                     self.deferred.append((message, fds))
+                    if self.preloading:
+                        self.tell_waiting(message)
                 else:
                     self.handle(message, fds)
             now = time.monotonic()

@@ -28,6 +28,7 @@ from nbaccel.events import (
     RunStarted,
     RunState,
     SettingsApplied,
+    Waiting,
     WorkerStarted,
 )
 from nbaccel.hardware.memory_estimate import MemoryEstimate, estimate_for_config
@@ -112,6 +113,7 @@ class DashboardModel:
         self.state = RunState.PENDING
         self.pids: dict[int, int] = {}
         self.errors: list[ErrorReport] = []
+        self.waiting: str | None = None  # what the workers wait for (events.Waiting)
         self.notices: list[str] = []  # the launcher's Notice texts: the summary lists them apart
         self.errors_version = 0
         self.metrics_version = 0
@@ -176,7 +178,10 @@ class DashboardModel:
                 self._read_progress(event)
         elif isinstance(event, Metric):
             self._on_metric(event)
+        elif isinstance(event, Waiting):
+            self.waiting = event.text  # the header's state until a worker starts
         elif isinstance(event, WorkerStarted):
+            self.waiting = None
             if event.host is None:  # a pid on another host is not read here
                 self.pids[event.rank] = event.pid
             else:
@@ -315,9 +320,10 @@ class DashboardModel:
         running = self.state is RunState.RUNNING
         if running and pace and total is not None and step is not None and total >= step:
             eta = (total - step) / pace
+        waiting = running and self.waiting is not None
         return Header(
             self.run_id,
-            self.state.value,
+            f"starting: {self.waiting}" if waiting else self.state.value,
             elapsed,
             step,
             total,

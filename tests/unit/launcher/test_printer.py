@@ -74,3 +74,17 @@ def test_a_stall_warning_prints_every_ranks_stack() -> None:
     assert lines[0] == "10%"
     assert lines[1].startswith("nbaccel: no rank printed, logged a metric or finished a step")
     assert lines[2:] == ["rank 0: in train (t.py:9)", "rank 1: waiting in barrier", "  File t.py"]
+
+
+def test_what_the_workers_wait_for_is_said_before_they_start() -> None:
+    # A cold start said nothing for seconds (issue 39, item 19): the wait is named.
+    from nbaccel.events import Waiting
+
+    out = io.StringIO()
+    printer = TextPrinter(out, None, announce_end=False)
+    printer(line(0, " 10%", partial=True))
+    printer(Waiting("the helper imports torch (the first launch only)", 0.0))
+    assert (
+        out.getvalue()
+        == " 10%\nnbaccel: starting: the helper imports torch (the first launch only)\n"
+    )

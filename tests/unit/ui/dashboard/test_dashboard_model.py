@@ -57,3 +57,24 @@ def test_a_notice_about_another_rank_is_a_note_of_the_summary_not_rank_0s_line()
     quiet.handle(Notice(skipped, 0.0))
     assert "rank 0's last" not in summary_text(quiet)
     assert f"note: {skipped}" in summary_text(quiet).splitlines()
+
+
+def test_the_header_says_what_the_workers_wait_for_until_one_starts() -> None:
+    # "running · 0:02" while the helper still imported torch (issue 39, item 19).
+    from nbaccel.events import RunStarted, Waiting
+    from nbaccel.ui.dashboard.text import header_html, header_text
+
+    model = DashboardModel(world_size=2)
+    model.handle(RunStarted("r1", 2, "/runs/r1", 0.0))
+    model.handle(Waiting("the helper imports torch (the first launch only)", 0.1))
+    head = model.header(now=2.0)
+    assert header_text(head).startswith(
+        "starting: the helper imports torch (the first launch only) · 0:02 · 2 processes"
+    )
+    assert "<b style='color:#e65100'>starting: the helper imports torch" in header_html(
+        head, stopping=False
+    )
+    model.handle(Waiting("the helper imports transformers first", 2.5))
+    assert header_text(model.header(now=3.0)).startswith("starting: the helper imports trans")
+    model.handle(WorkerStarted(0, 101, 3.5))
+    assert header_text(model.header(now=4.0)).startswith("running · 0:04")
