@@ -10,6 +10,7 @@ every rank's stack.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TextIO
 
@@ -134,14 +135,16 @@ def restart_line(event: RunRestarted) -> str:
 
 
 def seconds_text(seconds: float) -> str:
-    """A quiet time as it was: tenths below 10 s (a ``stall_warning`` of 0.5 s is no "1 s"),
-    whole seconds above.
+    """A quiet time as it was, rounded down (it was quiet at least that long): tenths below
+    10 s (a ``stall_warning`` of 0.5 s is no "1 s"), whole seconds above.
 
-    >>> seconds_text(0.500663), seconds_text(2.0), seconds_text(120.4)
-    ('0.5 s', '2 s', '120 s')
+    >>> seconds_text(0.500663), seconds_text(3.04), seconds_text(120.7)
+    ('0.5 s', '3 s', '120 s')
     """
-    text = f"{seconds:.1f}".removesuffix(".0") if seconds < 10 else f"{seconds:.0f}"
-    return f"{text} s"
+    if seconds >= 10:
+        return f"{math.floor(seconds)} s"
+    tenths = math.floor(seconds * 10 + 1e-6)  # 0.49999999 of a float is 0.5
+    return f"{tenths // 10} s" if tenths % 10 == 0 else f"{tenths / 10:.1f} s"
 
 
 def stall_text(event: StallWarning) -> str:
