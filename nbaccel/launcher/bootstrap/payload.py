@@ -26,7 +26,6 @@ from typing import Any
 from nbaccel.config.schema import Config
 from nbaccel.errors import SerializationError
 from nbaccel.launcher.bootstrap import pickling
-from nbaccel.launcher.sharing import memfd
 from nbaccel.launcher.sharing.cache import Placement, limit_bytes, pack_shared
 from nbaccel.launcher.sharing.packing import Packed, gather
 
@@ -37,9 +36,7 @@ MAX_CELL_SOURCES_BYTES = 8 << 20
 class Payload:
     """What every worker of a launch reads (``data``: the file they are handed), the
     shared-memory segments its buffers lie in (their fds travel after the launch's other
-    fds), and what the user is told of how they travel (why they were not shared, when
-    they were refused; how this process makes shared memory, the first time it is not
-    ``os.memfd_create``)."""
+    fds), and why its buffers were not shared, when they were refused (notices)."""
 
     data: bytes
     shared: Placement | None = None
@@ -85,8 +82,7 @@ def build_payload(
         },
         protocol=5,
     )
-    said = (memfd.take_notice(), notice)  # the first launch after the way was chosen
-    return Payload(data, shared, tuple(text for text in said if text))
+    return Payload(data, shared, (notice,) if notice else ())
 
 
 def pack_call(

@@ -29,6 +29,7 @@ from nbaccel.launcher.local.helper import (
 from nbaccel.launcher.planned import Display, Planned, shown
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, write_config
+from nbaccel.launcher.sharing.memfd import take_notice as shared_memory_notice
 
 
 def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True) -> Run:
@@ -74,7 +75,10 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
                 if held is not helper:
                     held.preload_wanted = resolved.config.preload_libraries
                     offer_libraries(held)
-                run.notices = take_notices() + list(payload.notices)
+                # How this process makes shared memory, where it is not os.memfd_create: said
+                # by the first launch (not by a payload built to warm up, api.warm_planning).
+                told = shared_memory_notice()
+                run.notices = take_notices() + ([told] if told else []) + list(payload.notices)
                 run.start(
                     held,
                     requests,

@@ -34,6 +34,7 @@ from nbaccel.launcher.remote.slurm_nodes import node_addresses
 from nbaccel.launcher.remote_shell import RemoteShell
 from nbaccel.launcher.run import Run
 from nbaccel.launcher.run_folder import make_run_dir, write_config
+from nbaccel.launcher.sharing.memfd import take_notice as shared_memory_notice
 
 # Per host, to connect and read its versions (an SSH connection, then Python's start).
 PREFLIGHT_TIMEOUT = 30.0
@@ -74,7 +75,8 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
         run = Run(planned.run_id, run_dir, config, planned.world_size, ranks=ranks)
         shown(show(run, planned.gpus))
         payload = planned.payload
-        run.notices = list(payload.notices)
+        told = shared_memory_notice()  # where this kernel lacks os.memfd_create, once
+        run.notices = ([told] if told else []) + list(payload.notices)
         with tempfile.TemporaryFile() as payload_file:
             payload_file.write(payload.data)
             payload_file.flush()

@@ -146,3 +146,16 @@ def test_running_out_of_fds_is_not_taken_for_a_missing_way(
     with pytest.raises(OSError) as raised:
         memfd.new_fd("nbaccel-data")
     assert raised.value.errno == errno.EMFILE and memfd._chosen is None
+
+
+def test_the_prewarms_payload_does_not_take_the_launchs_notice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The prewarm builds a payload in the background at import (api.warm_planning): the
+    # notice is the first launch's to say.
+    from nbaccel.launcher.api import warm_planning
+
+    without(monkeypatch, "os")
+    warm_planning()
+    told = memfd.take_notice()
+    assert told is not None and "no os.memfd_create" in told
