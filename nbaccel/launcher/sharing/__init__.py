@@ -4,7 +4,8 @@ A launch's function, its arguments, what ``Workers.push`` sends and what ranks s
 are pickled with protocol 5 (PEP 574): numpy arrays, pandas' blocks, Arrow buffers, large
 ``bytes``/``bytearray`` and CPU tensors give their buffers to a callback instead of copying
 them into the pickle. ``segments`` puts such buffers into memfd segments (anonymous shared
-memory: no name, no file, gone when the last process holding it closes it) and maps them
+memory: no name, no file, gone when the last process holding it closes it; ``memfd`` makes
+them where Python lacks ``os.memfd_create``, and seals them once written) and maps them
 in each rank, copy-on-write; ``packing`` joins the small pickle and its buffer references
 into what travels, and reads it back; ``cache`` keeps the kernel's segments between
 launches, so data that did not change (``digests`` tells) is not copied again.
