@@ -60,3 +60,25 @@ def test_the_kernels_cached_segment_cannot_be_cut_by_a_holder(cache: SegmentCach
     assert again is not None
     assert float(unpack(packed, again.fds).sum()) == MIB
     again.close()
+
+
+def test_a_result_box_is_sealed_once_the_rank_wrote_its_value() -> None:
+    # The kernel maps a rank's result box to read the value: a rank that cut it short
+    # afterwards would kill the kernel with SIGBUS.
+    from nbaccel.launcher.results import ResultBoxes
+    from nbaccel.launcher.sharing.packing import pack_fresh
+
+    boxes = ResultBoxes()
+    box = boxes.make(0)
+    assert box is not None
+    ranks_box = os.dup(box)  # what the rank is handed
+    try:
+        packed, segment = pack_fresh(np.ones(MIB, "f4"), dumps_plain, into=ranks_box)
+        assert segment is not None and segment.fd == ranks_box
+        with pytest.raises(PermissionError):
+            os.ftruncate(ranks_box, 0)
+        view = boxes.take(0, packed.refs)
+        assert view is not None and float(unpack(packed, [ranks_box]).sum()) == MIB
+    finally:
+        os.close(ranks_box)
+        boxes.close()
