@@ -9,6 +9,7 @@ Read from the kernel's iopub messages (jupyter_client), or from the notebook nbc
 from __future__ import annotations
 
 import queue
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -194,7 +195,8 @@ def test_the_stall_warning_is_in_the_saved_summary_with_its_own_duration(
         and str(out.data.get("text/plain", "")).startswith("nbaccel run ")
     ]
     assert len(texts) == 1, cells.cell(nb, "stall").outputs
-    assert "finished a step for 0.5 s (stall_warning)" in texts[0], texts[0]
+    # The quiet time as measured, rounded down: 0.5 s and a late pump's tenths, never "1 s".
+    assert re.search(r"finished a step for 0\.[5-9] s \(stall_warning\)", texts[0]), texts[0]
     assert "rank 0: in <module> (<nbaccel cell " in texts[0], texts[0]  # where it was
 
 
