@@ -191,3 +191,41 @@ def test_without_shared_memory_the_data_goes_through_the_pipe(tmp_path: Path) ->
     assert len(told) == 1 and "through the pipe" in told[0], first["notices"]
     assert ours(second["notices"]) == []
     assert "SerializationError" not in report["output"]
+
+
+AGENT_KERNEL = """
+import sys
+import numpy as np
+import nbaccel
+
+data = np.arange(1 << 20, dtype="f4")
+
+def total(d):
+    return float(d.sum())
+
+run = nbaccel.launch(total, args=(data,), num_processes=1, dashboard="text",
+                     runs_dir=sys.argv[1], max_restarts=1)
+assert run.result() == float(data.sum()), run.result()
+print("REPORT ok")
+"""
+
+
+def test_an_agent_without_shared_memory_takes_its_payload_from_a_file(tmp_path: Path) -> None:
+    # A launch with restarts goes through an agent (as on other hosts), which holds the
+    # payload for elastic's forked workers: in a temporary file where no memfd can be made.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(os=True, ctypes=True, shm=True))
+    script = tmp_path / "kernel.py"
+    script.write_text(textwrap.dedent(AGENT_KERNEL))
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{root}", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0 and "REPORT ok" in done.stdout, done.stdout + done.stderr[-3000:]
