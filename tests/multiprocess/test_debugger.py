@@ -6,6 +6,7 @@ the skips, ``run.stacks()``, the stall warning, and a run that never stops payin
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -288,20 +289,33 @@ def test_a_peer_that_times_out_while_a_rank_is_in_pdb_says_why_and_the_fix(
         stop_on_rank_1, args=(1,), num_processes=2, runs_dir=runs_dir, collective_timeout=2.0
     )
     typist = Typist(run, [])
+    left: list[str] = []
 
-    def look_until_the_run_ends(prompt: str) -> str:
+    def look_and_never_type(prompt: str) -> str:
+        # A user who looks at rank 1 far longer than collective_timeout and types nothing:
+        # this prompt returns only if the console abandons it (in Python code, as ipykernel's
+        # input() waits, so that the abandonment lands).
         typist.prompts.append(prompt)
-        run._done.wait(60)  # the user looks at rank 1 longer than collective_timeout
+        deadline = time.monotonic() + 100
+        try:
+            while time.monotonic() < deadline:
+                threading.Event().wait(0.02)
+        except BaseException as error:
+            left.append(type(error).__name__)
+            raise
+        left.append("the prompt was never closed")
         return "c"
 
-    typist._prompt = look_until_the_run_ends  # type: ignore[method-assign]
-    run._console._prompt = look_until_the_run_ends  # type: ignore[union-attr]
+    run._console._reader._prompt = look_and_never_type  # type: ignore[union-attr]
+    started = time.monotonic()
     with pytest.raises(nbaccel.CollectiveTimeout) as raised:
         run.result(timeout=120)
+    assert time.monotonic() - started < 60, "the cell waited at a dead rank's prompt"
+    assert left == ["PromptGone"]  # closed by the console, not answered
+    assert "--- rank 1 was interrupted" in typist.text or "--- rank 1 has ended" in typist.text
     assert raised.value.stuck_ranks == (1,)
     assert "rank(s) 1 were stopped in the debugger" in str(raised.value)
     assert "raise collective_timeout" in str(raised.value)
-    assert "--- rank 1 has ended ---" in typist.text
 
 
 def test_the_kernel_stays_free_of_torch_through_stacks_and_a_session(tmp_path: Path) -> None:
@@ -324,17 +338,20 @@ def test_the_kernel_stays_free_of_torch_through_stacks_and_a_session(tmp_path: P
 
         run = nbaccel.launch(train, num_processes=2, dashboard=False)
         lines = ["p weights", "w", "c"]
+        shown = []
         run._console = DebugConsole(
-            run._debug, prompt=lambda p: lines.pop(0), write=lambda t: None, can_type=lambda: None
+            run._debug, prompt=lambda p: lines.pop(0), write=shown.append, can_type=lambda: None
         )
         while not run.stacks()[1].startswith("rank 1: in train") and not run.state.done:
             pass
         assert run.result(timeout=120) == 1
+        print("pdb ran:", lines == [] and "tensor([1., 1.])" in "".join(shown))
         print("torch imported:", "torch" in sys.modules)
         """,
         tmp_path,
     )
     assert done.returncode == 0, done.stderr
+    assert "pdb ran: True" in done.stdout  # every line typed, p weights answered
     assert "torch imported: False" in done.stdout
 
 
@@ -357,3 +374,94 @@ def test_no_stall_warning_while_a_rank_is_in_pdb(runs_dir: str) -> None:
     assert run.result(timeout=120) == 4.0
     assert "(Pdb) p x\n2\n" in typist.text
     assert not [e for e in events if isinstance(e, StallWarning)]
+
+
+def two_threads_stop_together() -> list[str]:
+    import threading
+
+    barrier = threading.Barrier(2, timeout=60)
+    came_back: list[str] = []
+
+    def stop(name: str) -> None:
+        who = name  # noqa: F841 - read in pdb
+        barrier.wait()  # both threads stop at once
+        breakpoint()
+        came_back.append(name)
+
+    threads = [threading.Thread(target=stop, args=(name,)) for name in ("A", "B")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return sorted(came_back)
+
+
+def test_two_threads_of_one_rank_that_stop_at_once_get_a_session_each(runs_dir: str) -> None:
+    # One pdb at a time in a rank: the second thread waits for the first's session, and the
+    # lines typed reach the thread whose prompt they answer (they shared one input before).
+    run = nbaccel.launch(two_threads_stop_together, num_processes=1, runs_dir=runs_dir)
+    typist = Typist(run, ["p who", "c", "p who", "c"])
+    try:
+        assert run.result(timeout=90) == ["A", "B"], typist.text
+    finally:
+        run.stop()
+    text = typist.text
+    assert text.count("--- pdb on rank 0 (") == 2
+    first, second = text.split("--- pdb on rank 0 (")[1:]
+    answers = {first.split("(Pdb) p who\n")[1][:3], second.split("(Pdb) p who\n")[1][:3]}
+    assert answers == {"'A'", "'B'"}  # each session read its own thread's local
+
+
+def busy_in_c_with_children(flags: str) -> dict[str, Any]:
+    import ctypes
+    import pathlib
+    import subprocess
+    import sys
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    # DataLoader workers started fresh (spawn), as a tool or wandb-core is: SIGUSR1 ends them.
+    loader = DataLoader(
+        TensorDataset(torch.arange(8.0)),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+    )
+    batches = iter(loader)
+    next(batches)
+    workers = batches._workers  # type: ignore[attr-defined]
+    tool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pathlib.Path(flags, "busy").touch()
+    # Holds the GIL in C (a PyDLL call keeps it) for up to 8 s: the rank's channel thread
+    # cannot answer run.stacks(), which falls back to faulthandler's dump (SIGUSR1).
+    ctypes.PyDLL(None).sleep(8)
+    deadline = time.monotonic() + 60
+    while not pathlib.Path(flags, "looked").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the test has read the stacks
+    alive = {"tool": tool.poll(), "loader workers": [w.exitcode for w in workers]}
+    tool.kill()
+    tool.wait()
+    del batches
+    return alive
+
+
+def test_stacks_of_a_rank_busy_in_c_end_none_of_its_children(runs_dir: str, tmp_path: Path) -> None:
+    run = nbaccel.launch(
+        busy_in_c_with_children, args=(str(tmp_path),), num_processes=1, runs_dir=runs_dir
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "busy").exists():
+            assert time.monotonic() < deadline and not run.state.done, run.logs(0)
+            time.sleep(0.01)
+        stacks = run.stacks(timeout=0.5)
+        (tmp_path / "looked").touch()
+        assert "faulthandler's dump" in stacks[0] and "busy_in_c_with_children" in stacks[0]
+        # exit codes of None: every child the rank started lives after the dump
+        assert run.result(timeout=120) == {"tool": None, "loader workers": [None, None]}
+    finally:
+        (tmp_path / "looked").touch()
+        run.stop()

@@ -5,16 +5,17 @@ with its pipes) and reads every rank's frames on a daemon thread. "stacks" answe
 a request (``stacks``, or ``request_stacks`` with a callback for the stall warning); a rank
 that stopped (``ask``) waits in ``stops`` until the thread that waits for the run takes it
 (``next_stop``: ``console.DebugConsole`` then answers and prompts); the frames of a session
-(``prompt``, ``resumed``) go to that rank's queue. A run whose ranks nobody can answer for
-(a detached run) is told so at once (``refuse``). ``debugging``: ranks stopped in a debugger
-now, so that the stall warning does not fire while a peer is in pdb. Stdlib only.
+(``prompt``, ``resumed``) wait in ``sessions.SessionFrames``, tagged with the session the rank
+numbered: a session an interrupt ended leaves nothing for the next. A run whose ranks nobody
+can answer for (a detached run) is told so at once (``refuse``). ``debugging``: ranks stopped
+in a debugger now, so that the stall warning does not fire while a peer is in pdb.
+``ending`` (``q`` was typed) lasts one call of interactive workers, which keep one run across
+calls (``new_call``). Stdlib only.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
-import queue
 import selectors
 import socket
 import threading
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.frames import FrameDecoder, encode_frame
+from nbaccel.launcher.debug.sessions import SessionFrames
+from nbaccel.launcher.debug.stack_requests import StackRequests
 
 # How long a stop may wait for a thread to serve it before the run says where it waits
 # (``notebook_launcher`` takes it at once; a non-blocking launch waits for run.wait()).
@@ -36,21 +39,15 @@ STEP_PATIENCE = 1.0
 @dataclass(frozen=True)
 class Stop:
     """A rank stopped in a debugger and waits for the kernel's answer: ``kind`` is
-    "breakpoint", "step" (a later stop of the same session), or "post_mortem"."""
+    "breakpoint", "step" (a later stop of the same session), or "post_mortem"; ``session``:
+    the number the rank gave this stop (its frames carry it)."""
 
     rank: int
     kind: str
     where: str
     host: str
+    session: int | None = None
     time: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _StacksRequest:
-    ranks: set[int]
-    deadline: float
-    done: Callable[[dict[int, dict[str, Any]]], None]
-    got: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 class DebugHub:
@@ -79,18 +76,21 @@ class DebugHub:
         # Called (on the hub's thread) when a rank stops: wakes a thread that waits for
         # something else meanwhile (interactive workers wait for replies).
         self.on_stop: Callable[[], None] = lambda: None
+        # Called (on the hub's thread) when a rank's session may have ended without the
+        # console's answer (the rank resumed or was interrupted, its channel closed: None for
+        # every rank, the run ended): a console waiting for a line for it stops waiting.
+        self.on_session_end: Callable[[int | None], None] = lambda rank: None
         self._socks: dict[int, socket.socket] = {}
         self._lock = threading.Condition()
         self._send_lock = threading.Lock()
         self._stops: list[Stop] = []
         self._noticed: set[Stop] = set()
-        self._sessions: dict[int, queue.SimpleQueue[dict[str, Any] | None]] = {}
-        self._requests: dict[int, _StacksRequest] = {}
-        self._ids = itertools.count(1)
+        self._sessions = SessionFrames(self._lock)
+        self._requests = StackRequests()
         self._said_skip = False
         self.debugging: set[int] = set()  # ranks stopped in a debugger now
         self.died_in_debugger: set[int] = set()  # ranks whose worker ended while stopped
-        self.ending = False  # q was typed on a rank: no more sessions, the run ends
+        self.ending = False  # q was typed on a rank: no more sessions, the run (call) ends
         self._serving = threading.Lock()  # held by the thread that serves stops
         self._closed = False
         self._wake_read, self._wake_write = os.pipe()
@@ -105,13 +105,20 @@ class DebugHub:
         (the caller closes it once the worker has it)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._socks[rank] = ours
-        self._sessions[rank] = queue.SimpleQueue()
         return theirs.detach()
 
     @property
     def closed(self) -> bool:
         """Whether the run has ended (no stop will come any more)."""
         return self._closed
+
+    def new_call(self) -> None:
+        """A call of interactive workers begins: a ``q`` typed in an earlier call ended that
+        call, not this one (its sessions are served, its stops told of, as the first's)."""
+        with self._lock:
+            self.ending = False
+            self._lock.notify_all()
+        self._wake()
 
     def start(self) -> None:
         """Read every rank's frames from now on (after the last ``open``)."""
@@ -163,9 +170,7 @@ class DebugHub:
             if not asked or self._closed:
                 asked = set()
             else:
-                request = _StacksRequest(asked, time.monotonic() + timeout, done)
-                number = next(self._ids)
-                self._requests[number] = request
+                number, request = self._requests.add(asked, time.monotonic() + timeout, done)
         if not asked:
             done({})
             return
@@ -208,24 +213,30 @@ class DebugHub:
     def done_serving(self) -> None:
         self._serving.release()
 
-    def answer(self, rank: int, yes: bool, why: str = "") -> None:
-        self._send(rank, {"op": "answer", "yes": yes, "why": why})
+    def answer(self, stop: Stop, yes: bool, why: str = "") -> None:
+        self._send(stop.rank, {"op": "answer", "yes": yes, "why": why, "session": stop.session})
         if not yes:
             with self._lock:
-                self.debugging.discard(rank)
+                self.debugging.discard(stop.rank)
 
-    def send_line(self, rank: int, text: str | None) -> None:
-        """A line typed for rank's pdb (None: end of input, which quits it)."""
-        self._send(rank, {"op": "line", "text": text})
+    def send_line(self, stop: Stop, text: str | None) -> None:
+        """A line typed for the stopped rank's pdb (None: end of input, which quits it)."""
+        self._send(stop.rank, {"op": "line", "text": text, "session": stop.session})
 
-    def skip(self, rank: int, why: str) -> None:
+    def skip(self, stop: Stop, why: str) -> None:
         """The session cannot be held after all: the rank leaves pdb and goes on."""
-        self._send(rank, {"op": "skip", "why": why})
+        self._send(stop.rank, {"op": "skip", "why": why, "session": stop.session})
 
-    def session_frame(self, rank: int) -> dict[str, Any] | None:
-        """The rank's next session frame ("prompt", "resumed"); None once its channel or
-        the run has closed."""
-        return self._sessions[rank].get()
+    def session_frame(self, stop: Stop) -> dict[str, Any] | None:
+        """The next frame ("prompt", "resumed") of ``stop``'s session; None once the rank's
+        channel or the run has closed. Frames of the rank's earlier sessions are dropped."""
+        return self._sessions.take(stop.rank, stop.session, lambda: self._closed)
+
+    def session_over(self, stop: Stop) -> bool:
+        """Whether ``stop``'s session has ended without waiting for a line (the rank was
+        interrupted, its worker is gone, the run ended): the console asks before it reads
+        a line, ``on_session_end`` tells it while it reads."""
+        return self._sessions.over(stop.rank, stop.session, self._closed)
 
     # ----- the reader thread -----------------------------------------------------------
     def _read(self) -> None:
@@ -265,11 +276,10 @@ class DebugHub:
         op = message.get("op")
         if op == "stacks":
             with self._lock:
-                request = self._requests.get(message.get("id"))  # type: ignore[arg-type]
-                if request is not None and rank in request.ranks:
-                    request.got[rank] = message
+                self._requests.answered(rank, message)
         elif op == "ask":
-            stop = Stop(rank, str(message["kind"]), str(message["where"]), str(message["host"]))
+            where, host = str(message["where"]), str(message["host"])
+            stop = Stop(rank, str(message["kind"]), where, host, message.get("session"))
             if self._refuse is not None:
                 self._send(rank, {"op": "answer", "yes": False, "why": self._refuse})
                 return
@@ -280,12 +290,20 @@ class DebugHub:
             self.on_stop()
         elif op in ("prompt", "resumed"):
             if op == "resumed" and not message.get("stepping"):
+                session = message.get("session")
                 with self._lock:
                     self.debugging.discard(rank)
                     if message.get("quit"):
                         # q ends the run: stops of other ranks wait to be ended with it
                         self.ending = True
-            self._sessions[rank].put(message)
+                    # A stop interrupted before it was served: nobody will answer it now.
+                    gone = [s for s in self._stops if (s.rank, s.session) == (rank, session)]
+                    for stop in gone:
+                        self._stops.remove(stop)
+                        self._noticed.discard(stop)
+            self._sessions.put(rank, message)
+            if op == "resumed":
+                self.on_session_end(rank)
         elif op == "skipped" and not self._said_skip:
             self._said_skip = True
             self._notice(
@@ -295,12 +313,8 @@ class DebugHub:
 
     def _due(self, now: float) -> None:
         """Complete the stacks requests that are answered or due; tell of unserved stops."""
-        finished = []
         with self._lock:
-            for number, request in list(self._requests.items()):
-                if request.ranks <= set(request.got) or now >= request.deadline:
-                    finished.append(request)
-                    del self._requests[number]
+            finished = self._requests.due(now)
             unserved = [
                 s
                 for s in self._stops
@@ -319,7 +333,7 @@ class DebugHub:
 
     def _timeout(self) -> float | None:
         with self._lock:
-            deadlines = [r.deadline for r in self._requests.values()]
+            deadlines = self._requests.deadlines()
             deadlines += [
                 s.time + UNSERVED_NOTICE_SECONDS
                 for s in self._stops
@@ -342,11 +356,11 @@ class DebugHub:
             if rank in self.debugging:
                 self.died_in_debugger.add(rank)
             self.debugging.discard(rank)
-            for request in self._requests.values():
-                request.ranks.discard(rank)
+            self._requests.forget_rank(rank)
         if sock is not None:
             sock.close()
-        self._sessions[rank].put(None)
+        self._sessions.lost(rank)
+        self.on_session_end(rank)
 
     def _finish(self) -> None:
         with self._lock:
@@ -354,15 +368,14 @@ class DebugHub:
                 return
             self._finished = True
             socks, self._socks = dict(self._socks), {}
-            requests, self._requests = list(self._requests.values()), {}
+            requests = self._requests.take_all()
             self._stops.clear()
             self.debugging.clear()
             self._closed = True
             self._lock.notify_all()
         for sock in socks.values():
             sock.close()
-        for session in self._sessions.values():
-            session.put(None)
+        self.on_session_end(None)
         for request in requests:
             request.done(request.got)
 

@@ -15,13 +15,19 @@ detached run, a notebook executed headless, a terminal without a tty) or there i
 (a torch_xla launch), the rank skips it and says so once, in its log and in the cell.
 
 Frames, rank -> kernel: ``stacks`` (the answer), ``ask`` (kind, where, host), ``prompt``
-(pdb's output and prompt: a line is awaited), ``resumed`` (output, stepping), ``skipped``
-(where, why: said once). Kernel -> rank: ``stacks``, ``answer`` (yes, why), ``line``
-(text), ``skip`` (why: the kernel could not take the session after all). Stdlib only.
+(pdb's output and prompt: a line is awaited), ``resumed`` (output, stepping, quit,
+interrupted), ``skipped`` (where, why: said once). Kernel -> rank: ``stacks``, ``answer``
+(yes, why), ``line`` (text), ``skip`` (why: the kernel could not take the session after all).
+Each stop asked is numbered (``session``) and every frame of its session carries the number
+both ways, so that what an interrupted session left unread is never taken for the next
+one's. One thread of the rank is in pdb at a time: the others' stops wait for it (a lock
+held from the ask to the end of the interaction), as they would share one input. Stdlib
+only.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import pdb
 import queue
@@ -63,7 +69,11 @@ class RankDebugger:
         self._sock = socket.socket(fileno=fd) if fd is not None else None
         self._send_lock = threading.Lock()
         self._inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
-        self._session = threading.RLock()  # one pdb at a time in this process
+        # One pdb at a time in this process, held from a stop's ask to the end of its
+        # interaction: two threads would otherwise read each other's lines (ChannelPdb).
+        self.lock = threading.RLock()
+        self._sessions = itertools.count(1)
+        self._session = 0  # the number of the stop asked last (its frames carry it)
         self._enabled = True
         self._off_why = ""
         self._said_skip = False
@@ -119,7 +129,8 @@ class RankDebugger:
         self._inbox.put(None)  # the kernel is gone: a waiting debugger sees end of input
 
     def _next(self, *ops: str) -> dict[str, Any] | None:
-        """The kernel's next frame of one of ``ops`` (others are stale: dropped)."""
+        """The kernel's next frame of one of ``ops`` for the session asked last (others are
+        stale, of a session an interrupt ended: dropped)."""
         while True:
             try:
                 # Waited in short spells: a SIGINT (the run interrupted while pdb waits for
@@ -130,7 +141,7 @@ class RankDebugger:
                 continue
             if message is None:
                 break
-            if message.get("op") in ops:
+            if message.get("op") in ops and message.get("session") == self._session:
                 return message
         self._inbox.put(None)  # end of input stays the answer for every later read
         return None
@@ -144,15 +155,22 @@ class RankDebugger:
                 f"it runs in a process forked from rank {self.rank} (a DataLoader worker?), "
                 "which has no debug channel of its own"
             )
-        if not self.send({"op": "ask", "kind": kind, "where": where, "host": self.host}):
+        self._session = session = next(self._sessions)
+        ask = {"op": "ask", "kind": kind, "where": where, "host": self.host, "session": session}
+        if not self.send(ask):
             return False, "this rank has no debug channel to the kernel"
-        answer = self._next("answer")
+        try:
+            answer = self._next("answer")
+        except BaseException:  # interrupted before the kernel answered: the stop is withdrawn
+            self.resumed("", stepping=False, quitting=False, interrupted=True)
+            raise
         if answer is None:
             return False, "the kernel's end of the debug channel closed"
         return bool(answer["yes"]), str(answer.get("why", ""))
 
     def read_line(self, output: str, prompt: str) -> str | None:
-        if not self.send({"op": "prompt", "output": output, "prompt": prompt}):
+        frame = {"op": "prompt", "output": output, "prompt": prompt, "session": self._session}
+        if not self.send(frame):
             return None
         message = self._next("line", "skip")
         if message is None:
@@ -161,8 +179,19 @@ class RankDebugger:
             raise Skipped(message.get("why", ""))
         return str(message["text"]) if message.get("text") is not None else None
 
-    def resumed(self, output: str, stepping: bool, quitting: bool) -> None:
-        self.send({"op": "resumed", "output": output, "stepping": stepping, "quit": quitting})
+    def resumed(
+        self, output: str, stepping: bool, quitting: bool, interrupted: bool = False
+    ) -> None:
+        self.send(
+            {
+                "op": "resumed",
+                "output": output,
+                "stepping": stepping,
+                "quit": quitting,
+                "interrupted": interrupted,
+                "session": self._session,
+            }
+        )
 
     def skipped(self, where: str, why: str) -> None:
         if self._said_skip:
@@ -204,15 +233,23 @@ class RankDebugger:
     def set_trace(self, frame: FrameType, header: str | None = None) -> None:
         """Stop in ``frame`` (the caller of ``breakpoint()``) if someone can answer."""
         where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        with self._session:
+        # Held until the interaction that set_trace leads to ends (ChannelPdb gives it back):
+        # pdb stops at the caller's next line, after this returns.
+        self.lock.acquire()
+        try:
             yes, why = self.ask("breakpoint", where)
-            if not yes:
-                self.skipped(where, why)
-                return
-            debugger = self._pdb()
-            if header is not None:
-                debugger.message(header)
-            debugger.set_trace(frame)
+        except BaseException:
+            self.lock.release()
+            raise
+        if not yes:
+            self.lock.release()
+            self.skipped(where, why)
+            return
+        debugger = self._pdb()
+        debugger.holds_lock = True
+        if header is not None:
+            debugger.message(header)
+        debugger.set_trace(frame)
 
     def post_mortem(self, error: BaseException) -> bool:
         """Open pdb at the frame that raised ``error``, if someone can answer; whether a
@@ -220,7 +257,7 @@ class RankDebugger:
         tb = error.__traceback__
         if tb is None:
             return False
-        with self._session:
+        with self.lock:
             where = ChannelPdb._where(None, tb)
             yes, why = self.ask("post_mortem", where)
             if not yes:

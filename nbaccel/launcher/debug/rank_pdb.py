@@ -6,7 +6,8 @@ typed in the cell comes back. Each time pdb stops (the breakpoint, then every ``
 or breakpoint after ``c``) it asks the kernel first whether someone can answer; when it
 resumes, it says so, and whether it is stepping (it will stop again soon) or not. pdb is
 used through its public API only (``Pdb(stdin=, stdout=)``, ``set_trace``, ``interaction``),
-so its commands are Python's, whatever the version. Stdlib only.
+so its commands are Python's, whatever the version. Each interaction holds the link's lock
+(one pdb at a time in the rank: its threads share one channel). Stdlib only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import io
 import pdb
 import sys
+import threading
 from types import FrameType, TracebackType
 from typing import Protocol
 
@@ -32,6 +34,8 @@ class Skipped(Exception):
 class SessionLink(Protocol):
     """What a ``ChannelPdb`` needs of the rank's channel (``rank_channel.RankDebugger``)."""
 
+    lock: threading.RLock  # held by the thread in pdb: one at a time
+
     def ask(self, kind: str, where: str) -> tuple[bool, str]:
         """Whether someone in the kernel can answer a stop of ``kind`` at ``where``; why not."""
 
@@ -39,9 +43,11 @@ class SessionLink(Protocol):
         """Send ``output`` and ``prompt``; the line typed (None: end of input, the session
         is over). Raises ``Skipped`` or ``KeyboardInterrupt``."""
 
-    def resumed(self, output: str, stepping: bool, quitting: bool) -> None:
+    def resumed(
+        self, output: str, stepping: bool, quitting: bool, interrupted: bool = False
+    ) -> None:
         """pdb let the program run again (``stepping``: it will stop again soon), or quit
-        (``quitting``: ``q``, the run ends)."""
+        (``quitting``: ``q``, the run ends), or left because the rank was interrupted."""
 
     def skipped(self, where: str, why: str) -> None:
         """Say, once, that a stop was skipped and why."""
@@ -84,12 +90,14 @@ class _LineReader:
 class ChannelPdb(pdb.Pdb):
     """A pdb session over a rank's channel.
 
+    >>> import threading
     >>> class Typed:  # a kernel that types two commands
     ...     lines = ["p x * 2", "c"]
+    ...     lock = threading.RLock()
     ...     def ask(self, kind, where): return True, ""
     ...     def read_line(self, output, prompt):
     ...         print(output, end=""); return self.lines.pop(0)
-    ...     def resumed(self, output, stepping, quitting): print(output, end="")
+    ...     def resumed(self, output, stepping, quitting, interrupted=False): print(output, end="")
     ...     def skipped(self, where, why): print("skipped", why)
     >>> cell = {"__name__": "__main__", "ChannelPdb": ChannelPdb, "Typed": Typed, "sys": sys}
     >>> exec('''def f():
@@ -116,8 +124,20 @@ class ChannelPdb(pdb.Pdb):
         self.use_rawinput = False
         self.interrupted = False
         self._first = True  # the stop the kernel already answered (set_trace, post_mortem)
+        # The link's lock, taken for the first stop before it was asked (set_trace): given
+        # back when that stop's interaction ends.
+        self.holds_lock = False
 
     def interaction(self, frame: FrameType | None, tb: TracebackType | None) -> None:
+        with self.link.lock:  # a second thread that stops meanwhile waits for this session
+            try:
+                self._interact(frame, tb)
+            finally:
+                if self.holds_lock:
+                    self.holds_lock = False
+                    self.link.lock.release()
+
+    def _interact(self, frame: FrameType | None, tb: TracebackType | None) -> None:
         if not self._first:  # a later stop (n, s, a breakpoint): asked again
             yes, why = self.link.ask("step", self._where(frame, tb))
             if not yes:
@@ -133,7 +153,9 @@ class ChannelPdb(pdb.Pdb):
             self.forget()
         stepping = not (skipped or self.quitting) and self.stopframe is not self.botframe
         quitting = self.quitting and not (skipped or self.interrupted) and frame is not None
-        self.link.resumed(self.held.take(), stepping and not self.interrupted, quitting)
+        self.link.resumed(
+            self.held.take(), stepping and not self.interrupted, quitting, self.interrupted
+        )
         if skipped:
             self._leave()
         if self.interrupted:

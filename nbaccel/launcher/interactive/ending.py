@@ -48,7 +48,9 @@ class CallEnding:
                 if interrupted:
                     interrupted = False
                     raise KeyboardInterrupt
-                self._take_reply(run, replies)
+                # Once the busy ranks have been sent SIGINT, a rank's stop is not served: its
+                # ask is being interrupted, and a prompt for it would be closed at once.
+                self._take_reply(run, replies, serve=signalled_at is None)
                 if deadline is None and errors_of(replies):
                     failed = errors_of(replies)[0]
                     # q in pdb: the call ends now, not after the peers' grace
@@ -77,8 +79,9 @@ class CallEnding:
         if busy:
             run.signal_workers(signal.SIGINT, busy)
 
-    def _take_reply(self, run: Run, replies: dict[int, dict[str, Any]]) -> None:
-        run._serve_debugger()  # a rank stopped in breakpoint(): its pdb, in this cell
+    def _take_reply(self, run: Run, replies: dict[int, dict[str, Any]], serve: bool = True) -> None:
+        if serve:
+            run._serve_debugger()  # a rank stopped in breakpoint(): its pdb, in this cell
         reply = self._replies.next(0.25)
         if reply is not None and reply.get("poke"):
             return  # a rank stopped: served at the next turn

@@ -79,9 +79,9 @@ def test_stops_are_served_one_after_the_other_each_named(hub: DebugHub) -> None:
     console = DebugConsole(hub, prompt=prompt, write=written.append, can_type=lambda: None)
 
     def play(fake: FakeRank, rank: int) -> None:
-        assert fake.next() == {"op": "answer", "yes": True, "why": ""}
+        assert fake.next() == {"op": "answer", "yes": True, "why": "", "session": None}
         fake.send(op="prompt", output=f"> train.py({rank + 10})\n", prompt=f"[rank {rank}] ")
-        assert fake.next() == {"op": "line", "text": "c"}
+        assert fake.next() == {"op": "line", "text": "c", "session": None}
         fake.send(op="resumed", output="", stepping=False, quit=False)
 
     players = [threading.Thread(target=play, args=(ranks[r], r), daemon=True) for r in (0, 1)]
@@ -125,7 +125,7 @@ def test_nobody_to_type_answers_no_with_why(hub: DebugHub) -> None:
     assert stop is not None
     console = DebugConsole(hub, can_type=lambda: "nobody is there")
     assert console.serve(stop) is False
-    assert rank.next() == {"op": "answer", "yes": False, "why": "nobody is there"}
+    assert rank.next() == {"op": "answer", "yes": False, "why": "nobody is there", "session": None}
 
 
 def test_a_detached_run_refuses_at_once() -> None:
@@ -206,7 +206,7 @@ def test_closing_wakes_a_waiting_session(hub: DebugHub) -> None:
     console = DebugConsole(hub, write=written.append, can_type=lambda: None)
     threading.Timer(0.2, hub.close).start()
     assert console.serve(stop) is False  # the run ended while the rank was in pdb
-    assert "--- rank 0 has ended ---" in "".join(written)
+    assert "--- rank 0 has ended: its worker is gone" in "".join(written)
 
 
 def test_a_rank_stopped_in_pdb_counts_as_such_before_its_closed_channel_is_read(

@@ -48,11 +48,13 @@ class ScriptedKernel:
             for message in decoder.feed(data):
                 self.seen.append(message)
                 self.frames.put(message)
+                session = message.get("session")  # the stop's number, echoed
                 if message["op"] == "ask":
-                    self._send({"op": "answer", "yes": self.yes, "why": self.why})
+                    answer = {"op": "answer", "yes": self.yes, "why": self.why}
+                    self._send({**answer, "session": session})
                 elif message["op"] == "prompt":
                     line = self.lines.pop(0) if self.lines else None
-                    self._send({"op": "line", "text": line})
+                    self._send({"op": "line", "text": line, "session": session})
 
     def _send(self, message: dict[str, Any]) -> None:
         self.sock.sendall(encode_frame(message))
@@ -241,7 +243,7 @@ def test_an_interrupt_while_pdb_waits_for_a_line_raises_in_the_users_code(
         elif held.is_set():  # as the OS may: this thread gets it, the main one waits on
             signal.pthread_kill(threading.get_ident(), signal.SIGINT)
         else:  # no prompt came: end the session, so that the test fails instead of hanging
-            original({"op": "line", "text": "c"})
+            original({"op": "line", "text": "c", "session": 1})
 
     timer = threading.Timer(0.5, interrupt)
     timer.start()
