@@ -257,6 +257,14 @@ class Run(RunPump):
         if self._console is not None:
             self._console.quit_ends = quit_ends
 
+    def _call_starts(self, runs_code: bool) -> None:
+        """A call of interactive workers (one run, many calls) begins: it starts as the first
+        did (a ``q`` of an earlier call ended that call only), watching for stalls if it
+        ``runs_code``."""
+        if self._debug is not None:
+            self._debug.new_call()
+        self._watch_stalls(runs_code)
+
     def _watch_stalls(self, on: bool) -> None:
         """Warn of stalls (``stall_warning``) from now on, or not: interactive workers watch
         only while a call runs (between calls, nothing happening is no stall)."""

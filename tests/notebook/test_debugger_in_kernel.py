@@ -12,6 +12,7 @@ import queue
 import socket
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.timeout(300)
 
 class Session:
     """One cell run with stdin: each prompt answered with the next line (after ``pause``
-    seconds for the lines that ask for it). What the cell printed is kept in order; the
+    seconds for the lines that ask for it); ``interrupt_at``: that prompt gets the kernel
+    interrupted instead (■), and no later one is answered; ``hold_at``: that prompt is never
+    answered, ``on_hold`` is called as it comes. What the cell printed is kept in order; the
     prompts, and the lines typed, apart (stdin and the cell's output travel on different
     channels: their order between them is not the client's to know)."""
 
@@ -41,6 +44,8 @@ class Session:
         timeout: float = 180,
         pauses: dict[int, float] | None = None,
         interrupt_at: int | None = None,
+        hold_at: int | None = None,
+        on_hold: Callable[[], object] = lambda: None,
         **expressions: str,
     ) -> tuple[dict[str, Any], str, list[str]]:
         kc, lines, pauses = self.kc, list(lines), pauses or {}
@@ -54,15 +59,21 @@ class Session:
         prompts: list[str] = []
         reply: dict[str, Any] | None = None
         deadline = time.monotonic() + timeout
-        idle = False
+        idle = interrupted = False
         while (reply is None or not idle) and time.monotonic() < deadline:
             for message in self._pending(kc.get_stdin_msg):
                 if message["msg_type"] != "input_request":
                     continue
                 prompt = message["content"]["prompt"]
                 prompts.append(prompt)
+                if interrupted:
+                    continue  # the interrupt ends the call: a prompt now is closed unanswered
                 if interrupt_at == len(prompts) - 1:
                     self.km.interrupt_kernel()  # ■ while pdb waits for a line
+                    interrupted = True
+                    continue
+                if hold_at == len(prompts) - 1:
+                    on_hold()  # a user who looks and types nothing
                     continue
                 assert lines, f"pdb asked for more than was typed:\n{''.join(shown)}"
                 pause = pauses.get(len(prompts) - 1, 0.0)
@@ -264,3 +275,113 @@ def test_nbaccel_debug_reads_a_local_of_the_failing_frame_and_the_workers_answer
         assert value(reply, "ranks") == "{0: 0, 1: 1}", text
     finally:
         session.run("workers.close()", [])
+
+
+STOPPING_CELL = """
+%%nbaccel
+import torch.distributed as dist
+if dist.get_rank() in {ranks}:
+    breakpoint()
+reached = dist.get_rank()
+"""
+
+
+@pytest.fixture
+def workers(session: Session, tmp_path: Path) -> Iterator[Session]:
+    reply, text, _ = session.run(WORKERS.format(runs=str(tmp_path / "runs")), [])
+    assert reply["status"] == "ok", text
+    try:
+        yield session
+    finally:
+        session.run("workers.close()", [], timeout=60)
+
+
+def test_q_in_one_workers_call_then_a_breakpoint_in_the_next_call_gets_its_prompt(
+    workers: Session,
+) -> None:
+    reply, text, _ = workers.run(STOPPING_CELL.format(ranks="(0,)"), ["q"], timeout=90)
+    assert reply["status"] == "error" and reply["ename"] == "DebuggerQuit", text
+    # The workers keep one run across calls: q ended the first call, not the second.
+    reply, text, prompts = workers.run(
+        STOPPING_CELL.format(ranks="(0,)"), ["p 6 * 7", "c"], timeout=90
+    )
+    assert reply["status"] == "ok", text
+    assert "\n42\n" in text and "--- rank 0 runs on ---" in text
+    assert len(prompts) == 2 and prompts[0].startswith("[rank 0 on ")
+    reply, text, _ = workers.run("", [], reached="workers.pull('reached')", timeout=60)
+    assert value(reply, "reached") == "{0: 0, 1: 1}", text
+
+
+@pytest.mark.parametrize("stopped", [(0,), (0, 1)], ids=["one rank", "two ranks"])
+def test_an_interrupt_at_a_workers_prompt_then_the_next_breakpoint_gets_its_prompt(
+    workers: Session, stopped: tuple[int, ...]
+) -> None:
+    cell = STOPPING_CELL.format(ranks=repr(stopped))
+    reply, text, _ = workers.run(cell, [], interrupt_at=0, timeout=90)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+    # What the interrupted sessions left behind is not taken for the next ones.
+    lines = ["p 6 * 7", "c"] + ["c"] * (len(stopped) - 1)
+    reply, text, prompts = workers.run(cell, lines, timeout=90)
+    assert reply["status"] == "ok", text
+    assert "\n42\n" in text
+    assert len(prompts) == len(lines)
+    assert {p.split(" on ")[0] for p in prompts} == {f"[rank {r}" for r in stopped}
+    assert text.count("runs on ---") == len(stopped)
+
+
+PEER_FAILS = """
+import pathlib, nbaccel
+
+def train(flag):
+    import pathlib, time
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        breakpoint()
+        return 1
+    deadline = time.monotonic() + 120
+    while not pathlib.Path(flag).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until rank 1's prompt waits in the cell
+    raise ValueError("rank 0 failed while rank 1 was in pdb")
+
+nbaccel.notebook_launcher(train, args=({flag!r},), num_processes=2, runs_dir={runs!r})
+"""
+
+
+def test_a_peer_failing_while_a_prompt_waits_ends_the_prompt(
+    session: Session, tmp_path: Path
+) -> None:
+    flag = tmp_path / "prompted"
+    code = PEER_FAILS.format(flag=str(flag), runs=str(tmp_path / "runs"))
+    reply, text, prompts = session.run(code, [], hold_at=0, on_hold=flag.touch, timeout=90)
+    assert len(prompts) == 1 and prompts[0].startswith("[rank 1 on "), text
+    assert reply["status"] == "error" and reply["ename"] == "ValueError", text
+    assert "rank 0 failed while rank 1 was in pdb" in reply["evalue"]
+    assert "--- rank 1 was interrupted" in text or "--- rank 1 has ended" in text
+    reply, text, _ = session.run("", [], again="nbaccel.notebook_launcher(len, args=([1],))")
+    assert value(reply, "again") == "1", text  # the kernel takes the next launch at once
+
+
+PEER_DIES = """
+%%nbaccel
+import os, pathlib, time
+import torch.distributed as dist
+if dist.get_rank() == 1:
+    breakpoint()
+else:
+    deadline = time.monotonic() + 120
+    while not pathlib.Path({flag!r}).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until rank 1's prompt waits in the cell
+    os._exit(3)
+"""
+
+
+def test_a_worker_dying_while_a_workers_prompt_waits_ends_the_prompt(
+    workers: Session, tmp_path: Path
+) -> None:
+    flag = tmp_path / "prompted"
+    code = PEER_DIES.format(flag=str(flag))
+    reply, text, prompts = workers.run(code, [], hold_at=0, on_hold=flag.touch, timeout=90)
+    assert len(prompts) == 1 and prompts[0].startswith("[rank 1 on "), text
+    assert reply["status"] == "error" and reply["ename"] == "WorkersEnded", text
+    assert "--- rank 1 was interrupted" in text or "--- rank 1 has ended" in text

@@ -345,7 +345,7 @@ class WorkerGroup(CallEnding):
         frame = pickle.dumps({**command, "seq": seq, "sources": new_sources}, protocol=5)
         display = self._display(run, self._gpus, show_ranks) if shown else self._idle
         self._relay.target = display
-        run._watch_stalls(command["op"] in ("run", "exec"))  # a user's code runs: it may stall
+        run._call_starts(runs_code=command["op"] in ("run", "exec"))  # each call as the first
         started = time.time()
         display(RunStarted(run.run_id, run.world_size, str(run.run_dir), started))
         error: BaseException | None = None
