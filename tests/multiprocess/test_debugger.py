@@ -465,3 +465,28 @@ def test_stacks_of_a_rank_busy_in_c_end_none_of_its_children(runs_dir: str, tmp_
     finally:
         (tmp_path / "looked").touch()
         run.stop()
+
+
+def test_after_q_with_two_ranks_stopped_the_next_call_stops_and_warns_of_stalls(
+    runs_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Interactive workers keep one run across calls: what q set in one call (no more
+    # sessions, the other stopped rank's stop and its silencing of the stall warning) ends
+    # with that call.
+    import nbaccel.launcher.interactive.workers as workers_module
+
+    monkeypatch.setattr(workers_module, "nobody_to_type", lambda: None)  # a scripted typist
+    with nbaccel.Workers(
+        num_processes=2, runs_dir=runs_dir, dashboard="text", stall_warning=1.0
+    ) as workers:
+        Typist(workers._run, ["q"])  # type: ignore[arg-type]
+        with pytest.raises(nbaccel.DebuggerQuit):
+            workers.run_cell("breakpoint()\nstopped = 1\n", "<nbaccel cell 1>")
+        events: list[Event] = []
+        workers._run.subscribe(events.append)  # type: ignore[union-attr]
+        typist = Typist(workers._run, ["p 6 * 7", "c"])  # type: ignore[arg-type]
+        cell = "import time\nif rank == 0:\n    breakpoint()\n    time.sleep(3)\n"
+        workers.run_cell("import torch.distributed as dist\nrank = dist.get_rank()\n", "<c2>")
+        workers.run_cell(cell, "<nbaccel cell 3>")
+        assert "(Pdb) p 6 * 7\n42\n" in typist.text
+        assert [e for e in events if isinstance(e, StallWarning)]  # 3 s quiet: warned
