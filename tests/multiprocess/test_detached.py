@@ -74,6 +74,8 @@ def start_kernel_a(tmp_path: Path, gate: Path, runs: str, **options: object) -> 
 def read_run_line(kernel_a: subprocess.Popen) -> tuple[str, int]:
     assert kernel_a.stdout is not None
     line = kernel_a.stdout.readline()  # bounded by the test's timeout
+    while line.startswith("nbaccel: "):  # what the launch said while it started
+        line = kernel_a.stdout.readline()
     assert line.startswith("RUN "), line
     _, run_id, pid = line.split()
     return run_id, int(pid)
