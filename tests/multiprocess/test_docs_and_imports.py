@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import nbaccel
+from nbaccel.launcher.local.helper import shared_helper
 
 MODULES = sorted(
     m.name
@@ -25,6 +26,14 @@ MODULES = sorted(
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # examples that launch write their run folders here
+    # The examples show a launch as a kernel sees it seconds after `import nbaccel`: the
+    # helper up, with nothing left to import first. Else a launch also prints what it waits
+    # for ("nbaccel: starting: the helper imports torch ..." or what an earlier example's
+    # workers imported), in whichever example came first.
+    helper = shared_helper()
+    assert helper.wait_ready(120), "the helper did not start"
+    assert helper.wait_preloaded(120) or not helper.usable, "the helper's preload never ended"
+    monkeypatch.setenv("NBACCEL_PRELOAD_LIBRARIES", "0")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.failed == 0
