@@ -112,6 +112,23 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
                 ["raises-exception"],
             ),
             (
+                "unsendable",
+                _src("""
+                import threading
+
+                LOCK = threading.Lock()
+
+
+                def holds_the_lock():
+                    with LOCK:
+                        pass
+
+
+                nbaccel.notebook_launcher(holds_the_lock, num_processes=2, **OUT)
+                """),
+                ["raises-exception"],
+            ),
+            (
                 "after-fail",
                 "nbaccel.notebook_launcher(train, args=(1,), num_processes=2, **OUT)",
             ),
@@ -250,6 +267,19 @@ def test_failing_rank_raises_its_exception_with_the_cell_source(
     # cell's source only exists in the kernel's linecache, so it must travel to the workers.
     assert "in fail_on_rank_1" in remote, text
     assert 'raise ValueError("boom from the cell")' in remote, text
+
+
+def test_errors_show_the_cells_frames_not_nbaccels(executed: NotebookNode, cells: Any) -> None:
+    # A SerializationError showed ~12 frames of nbaccel and its pickler, a worker's error
+    # 3 (issue 39, item 18): the cell's frame and the message say what is wrong.
+    [error] = cells.errors(cells.cell(executed, "unsendable"))
+    assert error.ename == "SerializationError"
+    assert "'LOCK'" in error.evalue
+    text = cells.strip_ansi("\n".join(error.traceback))
+    assert "/nbaccel/" not in text, text
+    [error] = cells.errors(cells.cell(executed, "fail"))
+    local = cells.strip_ansi("\n".join(error.traceback)).split("Traceback from rank 1")[-1]
+    assert "/nbaccel/" not in local, local  # the kernel's side, after the worker's traceback
 
 
 def test_next_launch_after_a_failure_works(executed: NotebookNode, cells: Any) -> None:
