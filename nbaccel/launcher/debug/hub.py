@@ -281,7 +281,7 @@ class DebugHub:
             where, host = str(message["where"]), str(message["host"])
             stop = Stop(rank, str(message["kind"]), where, host, message.get("session"))
             if self._refuse is not None:
-                self._send(rank, {"op": "answer", "yes": False, "why": self._refuse})
+                self.answer(stop, False, self._refuse)
                 return
             with self._lock:
                 self.debugging.add(rank)

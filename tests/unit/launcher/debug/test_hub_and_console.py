@@ -133,8 +133,10 @@ def test_a_detached_run_refuses_at_once() -> None:
     rank = FakeRank(hub.open(0))
     hub.start()
     try:
-        rank.send(op="ask", kind="breakpoint", where="a.py:1", host="h")
-        assert rank.next()["why"] == "a detached run has no cell to type into"
+        rank.send(op="ask", kind="breakpoint", where="a.py:1", host="h", session=3)
+        answer = rank.next()
+        assert answer["why"] == "a detached run has no cell to type into"
+        assert answer["session"] == 3  # the rank takes only its own stop's answer
         assert hub.next_stop(0.1) is None
     finally:
         hub.close()
