@@ -129,6 +129,37 @@ def _notebook(cells: Any, runs_dir: Path) -> NotebookNode:
                 ["raises-exception"],
             ),
             (
+                "exits",
+                _src("""
+                def leaves_on_rank_1():
+                    import os
+
+                    import torch.distributed as dist
+
+                    dist.barrier()
+                    if dist.get_rank() == 1:
+                        print("rank 1 leaves: the disk is full", flush=True)
+                        os._exit(3)
+                    dist.barrier()
+
+
+                nbaccel.notebook_launcher(leaves_on_rank_1, num_processes=2, **OUT)
+                """),
+                ["raises-exception"],
+            ),
+            (
+                "read-the-log",
+                _src("""
+                import pathlib
+                import re
+
+                # What the error says to type, as a user copies it from the message.
+                said = str(sys.last_value)
+                exec(re.search(r"print\\(open\\(.+?\\)\\.read\\(\\)\\)", said)[0])
+                sys.last_value.run_dir.parent == pathlib.Path(RUNS).resolve()
+                """),
+            ),
+            (
                 "after-fail",
                 "nbaccel.notebook_launcher(train, args=(1,), num_processes=2, **OUT)",
             ),
@@ -280,6 +311,21 @@ def test_errors_show_the_cells_frames_not_nbaccels(executed: NotebookNode, cells
     [error] = cells.errors(cells.cell(executed, "fail"))
     local = cells.strip_ansi("\n".join(error.traceback)).split("Traceback from rank 1")[-1]
     assert "/nbaccel/" not in local, local  # the kernel's side, after the worker's traceback
+
+
+def test_a_ranks_exit_says_how_to_read_its_log_from_the_cell(
+    executed: NotebookNode, cells: Any
+) -> None:
+    # notebook_launcher's caller has no run: "see run.logs(1)" was nothing to type (issue 39,
+    # item 17). The error names the log in the run folder and a line that reads it.
+    [error] = cells.errors(cells.cell(executed, "exits"))
+    assert error.ename == "WorkerError"
+    assert "rank 1 exited with code 3" in error.evalue
+    assert "print(open(" in error.evalue and "rank1.log" in error.evalue, error.evalue
+    cell = cells.cell(executed, "read-the-log")
+    cells.assert_ok(cell)
+    assert "rank 1 leaves: the disk is full" in cells.stream(cell)
+    assert cells.result(cell) == "True"  # error.run_dir is the run's folder under RUNS
 
 
 def test_next_launch_after_a_failure_works(executed: NotebookNode, cells: Any) -> None:
