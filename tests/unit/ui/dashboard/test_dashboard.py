@@ -282,6 +282,24 @@ def test_widgets_show_header_log_rank_selector_metrics_and_memory() -> None:
     assert dash.metric_selector.options == ("acc", "loss", "new")
 
 
+def test_the_header_says_what_the_launch_waits_for_until_a_worker_starts() -> None:
+    # "running · 0:02" while the helper imported torch said nothing (issue 39, item 19).
+    from nbaccel.events import Waiting
+
+    dash, clock = make_dashboard()
+    dash(RunStarted("run-1", 2, "/tmp/run-1", clock.now))
+    dash(Waiting("the helper imports torch (the first launch only)", clock.now))
+    clock.now += 2
+    dash.tick()
+    assert "starting: the helper imports torch (the first launch only)</b> · 0:02" in (
+        dash.header.value
+    )
+    dash(WorkerStarted(0, 123, clock.now))
+    clock.now += 1
+    dash.tick()
+    assert ">running</b> · 0:03" in dash.header.value
+
+
 def test_error_is_highlighted_with_escaped_traceback() -> None:
     dash, _clock = make_dashboard()
     dash(RunStarted("run-1", 2, "/tmp/run-1", 0.0))
