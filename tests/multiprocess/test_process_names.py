@@ -24,6 +24,22 @@ def own_names() -> tuple[str, str]:
         return comm.read().strip(), cmdline.read().split(b"\0")[0].decode()
 
 
+def names_of_rank_and_child() -> list[tuple[str, str]]:
+    """The rank's names, and those of a process it forks (as a DataLoader's workers are)."""
+    import json
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(write, json.dumps(own_names()).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        forked = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    return [own_names(), tuple(forked)]
+
+
 def names(pid: int) -> tuple[str, str]:
     comm = Path(f"/proc/{pid}/comm").read_text().strip()
     return comm, Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
@@ -40,12 +56,15 @@ def spares_of(helper_pid: int) -> list[tuple[str, str]]:
 
 
 def test_the_helper_its_base_spares_and_workers_say_what_they_are(runs_dir: str) -> None:
-    run = nbaccel.launch(own_names, num_processes=2, runs_dir=runs_dir, dashboard=False)
+    run = nbaccel.launch(names_of_rank_and_child, num_processes=2, runs_dir=runs_dir)
     results = run.results(timeout=120)
     for rank in (0, 1):
-        comm, cmdline = results[rank]
-        assert comm == f"nbaccel rank {rank}"
-        assert cmdline == f"nbaccel rank {rank} (run {run.run_id})"
+        assert results[rank][0] == (
+            f"nbaccel rank {rank}",
+            f"nbaccel rank {rank} (run {run.run_id})",
+        )
+        child = ("nbaccel child", f"nbaccel child of rank {rank} (run {run.run_id})")
+        assert tuple(results[rank][1]) == child  # not a second "rank N"
 
     helper = shared_helper()
     assert helper.wait_ready(60)

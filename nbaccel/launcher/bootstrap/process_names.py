@@ -17,6 +17,7 @@ finds its own by pid.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from typing import Any
 
@@ -45,17 +46,34 @@ def worker_title(rank: int, run_id: str, *, supervisor: bool = False) -> str:
     return f"nbaccel {what} (run {run_id})"
 
 
+def child_title(rank: int, run_id: str) -> str:
+    """A process a worker forked (a DataLoader worker): the user's, not one of nbaccel's;
+    named so, where it would otherwise look like a second ``rank N``."""
+    return f"nbaccel child of rank {rank} (run {run_id})"
+
+
+def name_children(title: str) -> None:
+    """Name every process this one forks from now on ``title`` (``os.register_at_fork``);
+    a fork that execs takes its new program's name. libc and setproctitle are loaded here,
+    so that the child only makes the calls (no ``dlopen`` in the fork of a threaded process)."""
+    _libc()
+    _setproctitle()
+    os.register_at_fork(after_in_child=lambda: name_process(title))
+
+
 def short_name(title: str) -> str:
     """What fits in ``/proc/self/comm``: the title up to its parenthesis, else shortened.
 
     >>> short_name("nbaccel rank 3 (run x)"), short_name("nbaccel base (next helper for pid 1)")
     ('nbaccel rank 3', 'nbaccel base')
-    >>> short_name("nbaccel torch_xla supervisor (run x)")
-    'nbaccel xla sup'
+    >>> short_name("nbaccel torch_xla supervisor (run x)"), short_name(child_title(3, "x"))
+    ('nbaccel xla sup', 'nbaccel child')
     """
     name = title.split(" (", 1)[0]
     if len(name) <= _COMM_BYTES:
         return name
+    if name.startswith("nbaccel child of rank "):
+        return "nbaccel child"
     if name.startswith("nbaccel rank "):
         return ("nbaccel r" + name.removeprefix("nbaccel rank "))[:_COMM_BYTES]
     return name.replace("torch_xla supervisor", "xla sup")[:_COMM_BYTES]
@@ -86,11 +104,23 @@ def _setproctitle() -> Any:
     return setproctitle
 
 
+_LIBC: list[Any] = []  # this process's libc, loaded once
+
+
+def _libc() -> Any:
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
 def _set_comm(name: str) -> None:
-    if not sys.platform.startswith("linux"):
+    libc = _libc() if sys.platform.startswith("linux") else None
+    if libc is None:
         return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_NAME, name.encode()[:_COMM_BYTES], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    except AttributeError:
+        pass  # a libc without prctl

@@ -25,7 +25,12 @@ from nbaccel.context import ProcessContext
 from nbaccel.events import WorkerStarted
 from nbaccel.frames import EventWriter
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
-from nbaccel.launcher.bootstrap.process_names import name_process, worker_title
+from nbaccel.launcher.bootstrap.process_names import (
+    child_title,
+    name_children,
+    name_process,
+    worker_title,
+)
 from nbaccel.launcher.bootstrap.worker_bootstrap import capture_output, run_payload
 from nbaccel.launcher.sharing.packing import take_shared
 
@@ -47,6 +52,8 @@ def run_worker(request: dict[str, Any], fds: list[int], helper_pid: int) -> NoRe
     payload_fd, log_fd, events_fd, *rest = fds
     supervisor = "xla_plan" in request
     name_process(worker_title(request["rank"], request["run"], supervisor=supervisor))
+    if not supervisor:  # torch_xla's supervisor forks the ranks themselves
+        name_children(child_title(request["rank"], request["run"]))  # not a 2nd rank in ps
     # A rank's end of its debug channel (launcher/debug/), before rank 0's listening socket;
     # a torch_xla supervisor's ranks have none.
     debug_fd = None if supervisor else rest.pop(0)
