@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.config.schema import Config, shown_ranks
-from nbaccel.errors import HelperError, RunCancelled
+from nbaccel.errors import HelperError, RunCancelled, hidden_frames
 from nbaccel.events import Notice, RunStarted, RunState
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.debug.console import DebugConsole
@@ -222,14 +222,17 @@ class Run(RunPump):
         )
 
     def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's return value; raises the run's error if it failed."""
-        return self._value(0, timeout)
+        """Rank 0's return value; raises the run's error if it failed (with the caller's
+        frames only: its message and the rank's traceback say what happened)."""
+        with hidden_frames():
+            return self._value(0, timeout)
 
     def results(self, timeout: float | None = None) -> dict[int, Any]:
         """Every rank's return value, ``{rank: value}`` (of this machine's ranks, where each
         machine of a job launches from its own cell)."""
-        self.wait(timeout)
-        return {r.rank: self._value(r.rank, None) for r in self._ranks.values()}
+        with hidden_frames():
+            self.wait(timeout)
+            return {r.rank: self._value(r.rank, None) for r in self._ranks.values()}
 
     def stop(self, timeout: float = 10.0) -> RunState:
         """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL."""

@@ -152,6 +152,20 @@ def test_a_workers_error_from_notebook_launcher_shows_no_nbaccel_frame(runs_dir:
     ]
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 re-raises a with's saved traceback")
+def test_a_runs_error_from_result_shows_no_nbaccel_frame(runs_dir: str) -> None:
+    import traceback
+
+    run = failed_run("raise", runs_dir)
+    for get in (run.result, run.results):
+        with pytest.raises(BadBatchError) as caught:
+            get()
+        frames = traceback.extract_tb(caught.value.__traceback__)
+        assert [frame.name for frame in frames] == [
+            "test_a_runs_error_from_result_shows_no_nbaccel_frame"
+        ]
+
+
 def test_launch_error_carries_the_run_folder_too(runs_dir: str) -> None:
     run = failed_run("raise", runs_dir)
     assert isinstance(run.error, BadBatchError)
