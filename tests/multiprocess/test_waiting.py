@@ -49,3 +49,23 @@ def test_a_cold_start_and_a_preload_say_what_the_launch_waits_for(tmp_path: Path
     runs = json.loads(second.split("RUNS ", 1)[1])
     assert waits(runs[0])[0].startswith("the helper imports torch")
     assert any("idna" in text for text in waits(runs[1]))
+
+
+def test_a_launch_after_the_helper_died_says_a_new_one_imports_torch(runs_dir: str) -> None:
+    import os
+    import signal
+    import time
+
+    import nbaccel
+    from nbaccel.launcher.local.helper import shared_helper
+
+    helper = shared_helper()
+    assert helper.wait_ready(120)
+    os.kill(helper.pid, signal.SIGKILL)  # as the out-of-memory killer would
+    deadline = time.monotonic() + 30
+    while helper.alive:  # its reader sees the socket close (bounded)
+        assert time.monotonic() < deadline, "the helper's end was never noticed"
+        time.sleep(0.01)
+    run = nbaccel.launch(print, num_processes=1, runs_dir=runs_dir, dashboard=False)
+    assert run.wait(120) is nbaccel.RunState.SUCCEEDED
+    assert waits(str(run.run_dir))[0] == "a new helper imports torch (the last one exited)"

@@ -159,7 +159,10 @@ def _current() -> HelperProcess:
     if _shared is not None and _shared.usable:
         _shared = _checked(_shared)
     if _shared is None or not _shared.alive:
+        gone = _shared is not None
         _shared = HelperProcess(os.environ, THIS_PROCESS)
+        if gone:
+            _shared.starting = "a new helper imports torch (the last one exited)"
     elif not _shared.usable:  # retired (unsafe) before its replacement was made
         _shared = _replacement(_shared, set())
     return _shared
@@ -204,6 +207,7 @@ def _replacement(old: HelperProcess, stale: set[str]) -> HelperProcess:
         new = None
     if new is None:
         new = HelperProcess(os.environ, THIS_PROCESS)
+        new.starting = "a new helper imports torch (the last one was retired)"
     new.preload_wanted = old.preload_wanted
     if new.preload_wanted:
         new.preload([name for name in old.offered if not CHOICE.refused(name)])

@@ -83,6 +83,8 @@ class HelperProcess:
         self._preload_seen = threading.Condition()
         self.preload_wanted = True  # the last launch's preload_libraries
         self._answered = threading.Event()  # "ready", "failed" or gone
+        # What a launch waits for until "ready" (events.Waiting); a replacement says why.
+        self.starting = IMPORTING_TORCH
         self._reader = threading.Thread(target=self._read_loop, name="nbaccel-helper", daemon=True)
         self._reader.start()
 
@@ -180,7 +182,7 @@ class HelperProcess:
         with self._listeners_lock:
             self._listeners[run_id] = listener
         if not self._answered.is_set():  # its workers wait for torch: said while they do
-            listener({"op": "waiting", "text": IMPORTING_TORCH})
+            listener({"op": "waiting", "text": self.starting})
 
     def unsubscribe(self, run_id: str) -> None:
         with self._listeners_lock:
