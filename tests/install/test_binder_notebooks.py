@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from tests.install.commands import run
 
 REPO = Path(__file__).resolve().parents[2]
 BINDER = REPO / "binder" / "requirements.txt"
@@ -38,14 +39,6 @@ ACCELERATORS = {"gpu", "tpu"}
 class BinderVenv:
     python: Path
     jupyter: Path  # a JUPYTER_PATH entry holding the venv's kernelspec
-
-
-def run(command: list[str | Path], cwd: Path, timeout: float = 600) -> str:
-    result = subprocess.run(
-        [str(c) for c in command], capture_output=True, text=True, cwd=cwd, timeout=timeout
-    )
-    assert result.returncode == 0, f"{command}:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
 
 
 def needs(path: Path) -> set[str]:

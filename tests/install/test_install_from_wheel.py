@@ -14,7 +14,6 @@ import importlib.metadata
 import os
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from tests.install.commands import run
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -37,14 +38,6 @@ class FreshVenv:
     site: Path  # where its packages live: nbaccel must be imported from here
     dist: Path  # the sdist and the wheel
     jupyter: Path  # a JUPYTER_PATH entry holding the venv's kernelspec
-
-
-def run(command: list[str | Path], cwd: Path, timeout: float = 300) -> str:
-    result = subprocess.run(
-        [str(c) for c in command], capture_output=True, text=True, cwd=cwd, timeout=timeout
-    )
-    assert result.returncode == 0, f"{command}:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
 
 
 @pytest.fixture(scope="module")
