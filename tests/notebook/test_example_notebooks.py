@@ -386,7 +386,11 @@ def _check_quickstart(widgets: Widgets, cells: Any, folder: Path) -> None:
     bars = [line for line in log if line.startswith("training:")]
     assert len(bars) == 1 and "120/120" in bars[0], log  # the \r redraws became one line
     assert not any(line.startswith("rank 1") for line in log), log
-    assert "Blocking call" in widgets.text(dashboard["stop-note"])
+    # Ended: Stop is greyed out and says so, and the note on how to stop a blocking call
+    # (the kernel's interrupt) went with the run.
+    stop = widgets.state[dashboard["stop"]]["state"]
+    assert stop["description"] == "Ended" and stop["disabled"], stop
+    assert not widgets.text(dashboard["stop-note"]), widgets.text(dashboard["stop-note"])
     text, _ = _summary(launch)
     assert "loss: last" in text and "step 120/120" in text, text
     assert "\n  rank 0 done: weight 2.0" in text, text  # rank 0's last lines stay saved
