@@ -93,3 +93,17 @@ def test_the_reference_names_every_config_field() -> None:
     text = (REPO / "docs" / "reference.md").read_text()
     missing = [f.name for f in dataclasses.fields(Config) if f"`{f.name}" not in text]
     assert not missing, f"docs/reference.md does not name the config fields {missing}"
+
+
+def test_the_readme_stays_short_and_names_what_each_notebook_needs() -> None:
+    """The README is the page a new user reads whole: at most 160 lines. It names every
+    example notebook and what each needs beyond ``nbaccel[notebook]`` (a new user's notebook
+    08 failed for want of transformers, which nothing had said)."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 160, len(readme.splitlines())
+    notebooks = sorted((REPO / "notebooks").glob("*.ipynb"))
+    section = readme[readme.index("Notebooks (") :].split("\n\n")[0]
+    for path in notebooks:
+        assert path.name[:2] in section, f"the README's notebook list misses {path.name}"
+    for need in ("+ `accelerate`", "+ `transformers`", "a TPU runtime", "binder/requirements.txt"):
+        assert need in section, need
