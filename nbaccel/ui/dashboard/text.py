@@ -140,19 +140,38 @@ def log_tail_lines(model: DashboardModel) -> list[str]:
         if not tail:
             return []
         label = model.log_choices()[0][0]
-        head = f"{label}, the last {len(tail)} lines (each rank's whole log: run.logs(rank)):"
+        head = f"{label}, the last {len(tail)} lines (each rank's whole log: {whole_log(model)}):"
     else:
         # log_ranks may skip rank 0
         rank = next((r for r in model.ranks if _printed(model, r)), None)
         if rank is None:
             return []
         tail = _printed(model, rank)[-SUMMARY_LOG_LINES:]
-        head = f"{model.rank_label(rank)}'s last {len(tail)} lines (all of them: run.logs({rank})):"
+        head = (
+            f"{model.rank_label(rank)}'s last {len(tail)} lines "
+            f"(all of them: {whole_log(model, rank)}):"
+        )
     cut = [
         line if len(line) <= SUMMARY_LINE_CHARS else line[: SUMMARY_LINE_CHARS - 1] + "…"
         for line in tail
     ]
     return [head, *(f"  {line}" for line in cut)]
+
+
+def whole_log(model: DashboardModel, rank: int | None = None) -> str:
+    """Where a rank's whole output is, for every reader: its file in the run folder (a
+    ``notebook_launcher`` user has no ``Run`` to call ``logs`` on), else ``run.logs``.
+
+    >>> model = DashboardModel(world_size=2)
+    >>> whole_log(model, 1), whole_log(model)
+    ('run.logs(1)', 'run.logs(rank)')
+    >>> model.run_dir = "/runs/r1"
+    >>> whole_log(model, 1), whole_log(model)
+    ('/runs/r1/rank1.log', '/runs/r1/rank<N>.log')
+    """
+    if not model.run_dir:
+        return "run.logs(rank)" if rank is None else f"run.logs({rank})"
+    return f"{model.run_dir}/rank{'<N>' if rank is None else rank}.log"
 
 
 def _printed(model: DashboardModel, rank: int) -> list[str]:
@@ -179,14 +198,15 @@ def header_html(head: Header, *, stopping: bool) -> str:
     )
 
 
-def log_html(lines: list[str], dropped: int, rank: int) -> str:
+def log_html(lines: list[str], dropped: int, rank: int, whole_log: str = "") -> str:
     """A rank's log tail (``TOGETHER``: several ranks') in a box that stays scrolled to its
     newest line.
 
     >>> "&lt;b&gt;" in log_html(["<b>"], 0, 0)
     True
     """
-    where = "run.logs(rank) has each rank's" if rank == TOGETHER else f"run.logs({rank})"
+    where = whole_log or ("run.logs(rank)" if rank == TOGETHER else f"run.logs({rank})")
+    where = f"{where} has each rank's" if rank == TOGETHER else where
     body = [f"<span style='color:#888'>… {dropped} earlier lines: {where}</span>"]
     body = body if dropped else []
     for line in lines:

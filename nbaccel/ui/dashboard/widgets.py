@@ -17,10 +17,16 @@ from typing import Any
 import ipywidgets as widgets  # untyped: widgets are held as Any
 
 from nbaccel.ui.dashboard.compare import EarlierRuns, earlier_runs
-from nbaccel.ui.dashboard.model import DashboardModel
+from nbaccel.ui.dashboard.model import TOGETHER, DashboardModel
 from nbaccel.ui.dashboard.stacks_panel import BLOCKING_STACKS_NOTE, StacksPanel
 from nbaccel.ui.dashboard.step_panel import StepPanel
-from nbaccel.ui.dashboard.text import BLOCKING_NOTE, errors_html, header_html, log_html
+from nbaccel.ui.dashboard.text import (
+    BLOCKING_NOTE,
+    errors_html,
+    header_html,
+    log_html,
+    whole_log,
+)
 
 
 class DashboardWidgets:
@@ -164,7 +170,9 @@ class DashboardWidgets:
         self._set("header", self.header, "value", header_html(head, stopping=self._stopping))
         self.visible_log = model.tail(self._rank)
         dropped = model.tail_state(self._rank)[1]
-        self._set("log", self.log, "value", log_html(self.visible_log, dropped, self._rank))
+        where = whole_log(model, None if self._rank == TOGETHER else self._rank)
+        log = log_html(self.visible_log, dropped, self._rank, where)
+        self._set("log", self.log, "value", log)
         labels = tuple(model.log_choices())  # hosts, once known
         if self._set("rank_options", self.rank_selector, "options", labels):
             self._written.pop("rank", None)  # new options reset the value: put it back
