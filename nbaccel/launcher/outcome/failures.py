@@ -23,6 +23,7 @@ from nbaccel.errors import (
     RemoteTraceback,
     WorkerError,
     describe_exit,
+    logs_hint,
 )
 from nbaccel.events import WorkerFailed
 
@@ -142,7 +143,11 @@ def _build_error(
         return exited
     at = f" on host {host}" if host is not None else ""
     at += f" {attempt_text(*restarts)}" if restarts is not None else ""
-    remote = RemoteTraceback(f"Traceback from rank {failure.rank}{at}:\n{report.traceback}")
+    text = f"Traceback from rank {failure.rank}{at}:\n{report.traceback}"
+    if run_dir is not None:  # the last line a reader sees before the error: where the rest is
+        hint = logs_hint(failure.rank, run_dir)
+        text = f"{text.rstrip()}\n\nRank {failure.rank}'s whole output: {hint}"
+    remote = RemoteTraceback(text)
     if report.type == "bdb.BdbQuit":  # q in pdb on the rank (launch.debug): ends the run
         error: BaseException = DebuggerQuit(
             rank=failure.rank, where=report.message or None, host=host

@@ -148,6 +148,13 @@ def test_an_exit_names_the_rank_log_in_the_run_folder_and_carries_run_dir() -> N
         run_dir=run_dir,
     )
     assert type(raised) is CellError and raised.run_dir == run_dir  # type: ignore[attr-defined]
+    # A rank's own exception keeps its message; its traceback from the rank ends by saying
+    # where the rank's whole output is.
+    remote = str(raised.__cause__).rstrip()
+    assert remote.endswith(
+        f"Rank 1's whole output: print(open('{run_dir}/rank1.log').read())"
+        " in a cell, or run.logs(1) on a Run from nbaccel.launch"
+    ), remote
 
 
 def test_launcher_side_error_is_passed_through() -> None:
