@@ -12,6 +12,17 @@ import types
 from pathlib import Path
 
 
+class CallError(TypeError):
+    """The function given to a launch, or its arguments, cannot make the call; raised before
+    any process starts. A ``TypeError``, as calling the function itself would raise.
+
+    >>> raise CallError("args must be a tuple or list of positional arguments, got int.")
+    Traceback (most recent call last):
+    ...
+    nbaccel.errors.CallError: args must be a tuple or list of positional arguments, got int.
+    """
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; raised before any process starts.
 
@@ -214,11 +225,15 @@ def _shown_cause(error: BaseException) -> BaseException | None:
     return None if error.__suppress_context__ else error.__context__
 
 
+# What nbaccel raises to say something (a bug is anything else).
+_OURS: tuple[type[BaseException], ...] = (CallError, ConfigError, SerializationError)
+_OURS += (HelperError, RunCancelled, WorkerError, WorkersEnded)
+
+
 def _on_purpose(error: BaseException) -> bool:
     """An error nbaccel raised to say something: one of this module's classes, or a run's
     error (a rank's own exception type, given ``run_dir`` by the launcher)."""
-    ours = (ConfigError, SerializationError, HelperError, RunCancelled, WorkerError, WorkersEnded)
-    return isinstance(error, ours) or getattr(error, "run_dir", None) is not None
+    return isinstance(error, _OURS) or getattr(error, "run_dir", None) is not None
 
 
 def _outside_nbaccel(tb: types.TracebackType | None) -> types.TracebackType | None:

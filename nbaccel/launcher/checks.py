@@ -16,23 +16,23 @@ from typing import Any
 
 from nbaccel.config.resolve import Resolved
 from nbaccel.config.schema import OVERSUBSCRIBE_FACTOR, Config, shown_ranks
-from nbaccel.errors import ConfigError
+from nbaccel.errors import CallError, ConfigError
 
 
 def check_call(function: Any, args: Any, kwargs: Mapping[str, Any] | None) -> None:
     """The function and its arguments, as given in the call."""
     if not callable(function):
-        raise TypeError(
+        raise CallError(
             f"nbaccel needs a function to run in each worker, got {type(function).__name__} "
             f"{function!r}. Pass the function itself: notebook_launcher(train), not train()."
         )
     if not isinstance(args, (tuple, list)):
-        raise TypeError(
+        raise CallError(
             f"args must be a tuple or list of positional arguments, got {type(args).__name__}. "
             "For one argument write args=(value,)."
         )
     if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}.")
+        raise CallError(f"kwargs must be a mapping, got {type(kwargs).__name__}.")
     check_signature(function, tuple(args), dict(kwargs or {}))
 
 
@@ -45,7 +45,7 @@ def check_signature(
     >>> check_signature(train, (), {})
     Traceback (most recent call last):
     ...
-    TypeError: train(lr, epochs=1) cannot be called with 0 positional argument(s): missing a required argument: 'lr'. Pass arguments that match its parameters (args=(value,) for one positional argument).
+    nbaccel.errors.CallError: train(lr, epochs=1) cannot be called with 0 positional argument(s): missing a required argument: 'lr'. Pass arguments that match its parameters (args=(value,) for one positional argument).
     """  # noqa: E501
     try:
         signature = inspect.signature(function)
@@ -62,7 +62,7 @@ def check_signature(
         given = f"{len(args)} positional argument(s)"
         if kwargs:
             given += " and keyword(s) " + ", ".join(map(repr, kwargs))
-        raise TypeError(
+        raise CallError(
             f"{name}{bare} cannot be called with {given}: {error}. Pass arguments that "
             "match its parameters (args=(value,) for one positional argument)."
         ) from None

@@ -92,3 +92,18 @@ def test_a_bug_keeps_every_frame() -> None:
     assert [frame.name for frame in traceback.extract_tb(caught.value.__traceback__)][-1] == (
         "entry"
     )
+
+
+@needs_311
+@pytest.mark.parametrize(
+    ("function", "args"),
+    [("not a function", ()), (lambda lr: None, 0.1), (lambda lr: None, ())],
+    ids=["not-callable", "args-not-a-tuple", "missing-argument"],
+)
+def test_a_bad_call_shows_the_users_frames_only(function: object, args: object) -> None:
+    # A TypeError for the call's own arguments showed 3-4 of nbaccel's frames: it is said
+    # on purpose (CallError, still a TypeError), so it leaves as the other launch errors do.
+    with pytest.raises(TypeError) as caught:
+        nbaccel.notebook_launcher(function, args=args, num_processes=2)  # type: ignore[arg-type]
+    assert isinstance(caught.value, nbaccel.errors.CallError)
+    assert nbaccel_frames(caught.value) == []
