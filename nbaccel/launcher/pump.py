@@ -63,7 +63,7 @@ from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import Failure, build_error, last_output
 from nbaccel.launcher.outcome.restarts import Attempts, RestartsSeen
 from nbaccel.launcher.output import Mark, render
-from nbaccel.launcher.rank_pipes import RankPipes as RankPipes  # Run's, and the tests'
+from nbaccel.launcher.results import RankPipes as RankPipes  # Run's, and the tests'
 from nbaccel.launcher.results import ResultBoxes, keep_in_folder
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.sharing.packing import Packed

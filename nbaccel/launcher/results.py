@@ -6,19 +6,45 @@ the value's message comes and closes it (no fd outlives the run; the pages live 
 the map). ``run.result()`` unpickles the value from its small pickle and that map, only when
 asked (a tensor imports torch then, because the user asked for it). The run folder keeps
 each value as a plain pickle, buffers put back in place without unpickling anything here.
+
+``RankPipes`` is the rest the kernel keeps of a rank: its output and event pipes, which the
+pump thread (``pump.py``) alone reads, and what the pump learned of the rank, its value
+among it. ``Run`` holds one per rank of this machine, by global rank.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbaccel.frames import FrameDecoder
+from nbaccel.launcher.output import OutputReader
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.sharing.memfd import NoSharedMemory, new_fd
 from nbaccel.launcher.sharing.packing import Packed, close_fds, inline_chunks, unpack_mapped
 from nbaccel.launcher.sharing.segments import map_private
+
+
+@dataclass
+class RankPipes:
+    """One rank's output and event pipes, as the pump reads them."""
+
+    rank: int
+    log_file: Any
+    log_fd: int
+    event_fd: int
+    output: OutputReader = field(default_factory=OutputReader)  # lines, marks taken out
+    decoder: FrameDecoder = field(default_factory=FrameDecoder)
+    exitcode: int | None = None
+    pid: int | None = None  # reported by the worker when it starts
+    result: bytes | None = None
+    result_refs: tuple[tuple[int, int, int], ...] = ()  # its buffers in the rank's result box
+    result_map: memoryview | None = None  # that box, mapped (sharing.segments.map_private)
+    has_result: bool = False
+    attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
 
 class ResultBoxes:
