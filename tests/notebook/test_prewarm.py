@@ -182,8 +182,11 @@ def test_import_leaves_a_helper_a_base_and_two_spares_each_named_for_what_it_is(
     found = named_for(kernel_pid)
     assert all(cmdline == want[comm] for comm, cmdline in found.values()), found
     assert found[helper.pid][0] == "nbaccel helper"
+    # The two named spares are the helper's children (it may be forking another meanwhile:
+    # a child not yet named is not counted among them).
     spares = {p.pid for p in helper.children()}
-    assert {pid for pid, (comm, _) in found.items() if comm == "nbaccel spare"} == spares
+    named_spares = {pid for pid, (comm, _) in found.items() if comm == "nbaccel spare"}
+    assert len(named_spares) == 2 and named_spares <= spares, (named_spares, spares)
 
 
 def test_a_launch_in_the_importing_cell_waits_for_that_helper(
