@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -23,6 +24,38 @@ import nbaccel
 from nbaccel.events import Metric
 
 pytestmark = pytest.mark.timeout(180)
+
+SUPERVISOR = "nbaccel.launcher.detached.supervisor_main"
+
+
+@pytest.fixture(autouse=True)
+def _no_detached_run_outlives_its_test() -> Iterator[None]:
+    """A detached run outlives whoever launched it, by design; a test that fails half way
+    must not leave one behind (its rank waiting for good, its helper and spares idle): every
+    supervisor started during the test is ended with its whole tree afterwards."""
+    before = {p.pid for p in psutil.process_iter() if _is_supervisor(p)}
+    yield
+    for process in psutil.process_iter():
+        if process.pid in before or not _is_supervisor(process):
+            continue
+        try:
+            tree = [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for member in tree:
+            try:
+                member.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=10)
+
+
+def _is_supervisor(process: psutil.Process) -> bool:
+    try:
+        return SUPERVISOR in " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
 
 TRAIN = """
 import os, time
