@@ -279,7 +279,10 @@ class RunPump(StallReports, RestartsSeen):
             self._on_restarted(int(message["attempt"]))
         elif op == "waiting":  # the starter says what the workers wait for (starter.py)
             self._record({"event": "waiting", "for": message["text"]})
-            self._emit(Waiting(message["text"], time.time()))
+            # The starter's word and a worker's start come by different channels: said after
+            # a worker started, the wait is over (the header stayed "starting" for good).
+            if all(r.pid is None for r in self._ranks.values()):
+                self._emit(Waiting(message["text"], time.time()))
         elif op in ("spawn_failed", "helper_died"):
             rank = message.get("rank", 0)
             # Its time is now: a rank's own error reported before it stays the culprit.

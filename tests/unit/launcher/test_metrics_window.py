@@ -75,3 +75,23 @@ def test_a_run_that_is_never_started_holds_no_file_descriptor(tmp_path: Path) ->
     runs = [Run("r", tmp_path, Config(), world_size=2) for _ in range(3)]
     assert set(os.listdir("/proc/self/fd")) == before
     assert all(run._wake_read == run._wake_write == -1 for run in runs)
+
+
+def test_a_wait_said_after_a_worker_started_is_not_shown(tmp_path: Path) -> None:
+    # The starter's "waiting" comes on the helper's channel, a worker's start on its own
+    # pipe: read in the other order, the dashboard said "starting: the helper imports ..."
+    # for the whole run (seen in the browser test at step 70, 500 steps/s).
+    from nbaccel.events import Waiting, WorkerStarted
+
+    run = Run("r", tmp_path, Config(), world_size=2)
+    run._events_file = private_file(tmp_path / "events.jsonl", "a")
+    shown: list[Any] = []
+    run.subscribe(shown.append)
+    run._ranks = {rank: RankPipes(rank, log_file=None, log_fd=-1, event_fd=-1) for rank in (0, 1)}
+    run._handle({"op": "waiting", "text": "the helper imports torch"}, selector=None)  # type: ignore[arg-type]
+    run._on_worker_message(run._ranks[0], WorkerStarted(0, os.getpid(), 0.0))
+    run._handle({"op": "waiting", "text": "the helper imports yaml first"}, selector=None)  # type: ignore[arg-type]
+    assert [e.text for e in shown if isinstance(e, Waiting)] == ["the helper imports torch"]
+    run._events_file.close()
+    recorded = (tmp_path / "events.jsonl").read_text()
+    assert "the helper imports yaml first" in recorded  # the run folder keeps what was said
