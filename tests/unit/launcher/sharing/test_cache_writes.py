@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,13 +21,6 @@ from nbaccel.launcher.sharing.packing import Packed, close_fds, dumps_plain, unp
 
 LIMIT = 1 << 30
 MIB = 1 << 20
-
-
-@pytest.fixture
-def cache() -> Iterator[SegmentCache]:
-    made = SegmentCache()
-    yield made
-    made.clear()
 
 
 def launch(cache: SegmentCache, value: Any, late: bool = False, dumps: Any = dumps_plain) -> Any:

@@ -5,7 +5,6 @@ comes stops them with an error instead of letting them read unchecked data."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,13 +16,6 @@ from nbaccel.launcher.sharing.packing import Packed, close_fds, dumps_plain, unp
 
 LIMIT = 1 << 30
 MIB = 1 << 20
-
-
-@pytest.fixture
-def cache() -> Iterator[SegmentCache]:
-    made = SegmentCache()
-    yield made
-    made.clear()
 
 
 def open_fds() -> set[str]:

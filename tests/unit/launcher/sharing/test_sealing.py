@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,13 +16,6 @@ from nbaccel.launcher.sharing.segments import Segment, map_private
 
 LIMIT = 1 << 30
 MIB = 1 << 20
-
-
-@pytest.fixture
-def cache() -> Iterator[SegmentCache]:
-    made = SegmentCache()
-    yield made
-    made.clear()
 
 
 @pytest.mark.parametrize("size", [MIB, 4 * MIB])  # a plain segment, one in huge pages
