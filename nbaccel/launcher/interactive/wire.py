@@ -121,10 +121,11 @@ def kernel_handshake(sock: socket.socket, token: str) -> bool:
 
     >>> kernel, worker = socket.socketpair()
     >>> import threading
-    >>> t = threading.Thread(target=lambda: print("worker:", worker_handshake(worker, "ab")))
-    >>> t.start(); print("kernel:", kernel_handshake(kernel, "ab")); t.join()
-    kernel: True
-    worker: True
+    >>> said = {}  # each side's answer, printed once both are in (the threads race to print)
+    >>> t = threading.Thread(target=lambda: said.update(worker=worker_handshake(worker, "ab")))
+    >>> t.start(); said["kernel"] = kernel_handshake(kernel, "ab"); t.join()
+    >>> said["kernel"], said["worker"]
+    (True, True)
     """
     nonce = secrets.token_bytes(32)
     send_frame(sock, nonce)
