@@ -7,7 +7,8 @@
     sides          nbaccel.launcher (parent)  |  nbaccel.accel (worker): never each other
     base           nbaccel.config, errors, events, frames, unpickling, context, hardware
                    (devices, xla_plan, memory_estimate), env_names, metrics, step_board,
-                   lazy_names: plain data, importing no side and no entry point
+                   lazy_names, durable (checkpoint copies through fsspec): plain data,
+                   importing no side and no entry point
 
 Every import counts, also those inside functions (a lazy import is still a dependency).
 Besides: the parent side never imports torch at module level, so ``import nbaccel`` and a
@@ -49,6 +50,7 @@ BASE = (
     "nbaccel.metrics",
     "nbaccel.step_board",
     "nbaccel.lazy_names",
+    "nbaccel.durable",
 )
 # Worker-side modules of the launcher: they run in the workers (forked from the helper),
 # so they may import torch; none of them is imported by the parent side.
