@@ -9,7 +9,7 @@ worker process by the worker's bootstrap and never in the parent. Plain data, st
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbaccel.config.schema import Config
@@ -70,6 +70,13 @@ class WorkerSession:
     # The rank's debug channel (launcher.debug.rank_channel.RankDebugger): interactive
     # workers open post-mortems on it.
     debugger: Any = None
+    # [step, values, time] of each metric logged here: checkpoints carry the curve, so a
+    # resumed run's dashboard goes on from it.
+    metric_history: list[list[Any]] = field(default_factory=list)
+    # checkpoint_extras(staging folder, rank): what the bootstrap adds to each checkpoint
+    # (torch.compile's artifacts); functions run when the user's function has returned.
+    checkpoint_extras: Any = None
+    at_function_end: list[Any] = field(default_factory=list)
 
 
 _active: WorkerSession | None = None

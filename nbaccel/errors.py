@@ -45,6 +45,30 @@ class HelperError(RuntimeError):
     """The helper process that starts workers could not start or died."""
 
 
+# What a rank says of a stop it was not asked for itself: the agreement carries that a stop
+# was asked, not why (the rank that was asked says, and the run reports its words).
+ANOTHER_RANK = "asked on another rank"
+
+
+class TrainingStopped(BaseException):
+    """Raised in every rank's loop once all ranks saved at the same step on a stop request
+    (SIGTERM/SIGUSR1, ``max_duration``, save and stop): the function ends, the rank exits 0
+    and the run is ``stopped``. A BaseException, so a loop's ``except Exception`` lets it by.
+
+    >>> TrainingStopped(1200, "/ckpt", "SIGTERM").completed_steps
+    1200
+    """
+
+    def __init__(self, completed_steps: int, checkpoint_dir: str, why: str) -> None:
+        super().__init__(completed_steps, checkpoint_dir, why)
+        self.completed_steps, self.checkpoint_dir, self.why = completed_steps, checkpoint_dir, why
+
+    def __str__(self) -> str:
+        return (
+            f"stopped ({self.why}), saved at step {self.completed_steps:,} in {self.checkpoint_dir}"
+        )
+
+
 class RunCancelled(RuntimeError):
     """The run was stopped before it finished, so it has no result."""
 

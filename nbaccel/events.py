@@ -10,23 +10,35 @@ printer, the dashboard and ``Run``. Plain data, stdlib only.
 from __future__ import annotations
 
 import enum
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# The signals a run gives a meaning to (parent and workers agree on them here):
+# SIGTERM and SIGUSR1 to a rank, the kernel, a detached run's supervisor or an agent ask
+# every rank to save at the same step and stop (what Slurm's --signal, a spot notice or a
+# k8s preStop hook send); SIGUSR2 makes a rank write every thread's stack to its log (the
+# hang report, run.stacks() for a rank that does not answer): not SIGUSR1, which schedulers
+# send to ask for a save.
+SAVE_AND_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+
 
 class RunState(enum.Enum):
-    """Lifecycle of a run: PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED."""
+    """Lifecycle of a run: PENDING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED | STOPPED
+    (every rank saved at the same step on a stop request and ended: resumable)."""
 
     PENDING = "pending"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    STOPPED = "stopped"
 
     @property
     def done(self) -> bool:
-        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
+        return self is not RunState.PENDING and self is not RunState.RUNNING
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,9 @@ class StepBreakdown:
     other; see ``nbaccel.accel.tracking.step_timing``), summed over the ``steps``; together they are
     the steps' time. ``samples``/``tokens``: what the steps took (``tokens``: positions of
     ``input_ids``, None without them). ``peak_memory``: bytes per phase where the device
-    reports it (CUDA), else None.
+    reports it (CUDA), else None. ``compile_seconds``: the seconds the rank had spent in
+    torch.compile when it sent the window, since it started (the compile happens inside the
+    first steps' phases); 0.0 without a compile, and in events written before it existed.
     """
 
     rank: int
@@ -140,11 +154,39 @@ class StepBreakdown:
     tokens: int | None
     peak_memory: Mapping[str, int] | None
     time: float
+    compile_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
         """The steps' time: the sum of the phases."""
         return sum(self.phases.values())
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    """Rank 0 published a checkpoint (``LATEST`` names it): periodic, or before a stop.
+    ``location``: the checkpoint folder or the durable URL it is copied to; ``seconds``:
+    from the agreed step to the publish."""
+
+    rank: int
+    completed_steps: int
+    location: str
+    name: str
+    stopping: bool
+    seconds: float
+    time: float
+
+
+@dataclass(frozen=True)
+class RankStopped:
+    """A rank ended on a stop request after every rank saved at ``completed_steps``
+    (worker -> parent, instead of ``ResultReady``)."""
+
+    rank: int
+    completed_steps: int
+    checkpoint_dir: str
+    why: str
+    time: float
 
 
 @dataclass(frozen=True)
@@ -284,6 +326,8 @@ WorkerMessage = (
     | Rank0Value
     | WorkerFailed
     | ModulesImported
+    | CheckpointSaved
+    | RankStopped
 )
 
 
@@ -303,4 +347,6 @@ Event = (
     | Notice
     | Waiting
     | StallWarning
+    | CheckpointSaved
+    | RankStopped
 )

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from nbaccel.accel import strategies
+from nbaccel.accel.autosave.autosave import AutoSave
 from nbaccel.accel.checkpointing import Checkpoints
 from nbaccel.accel.communication import Communication
 from nbaccel.accel.data.skip_batches import skip_first_batches
@@ -167,6 +168,10 @@ class Accelerator:
             clip=(lambda opt: self._step.config_clip(opt)) if self.config.max_grad_norm else None,
         )
         self._checkpoints = Checkpoints(self._prepared, self.gradient_state, self.options.project)
+        # Periodic saves, save-and-stop and resume: from the launch's config, not the
+        # Accelerator's arguments (the launch decided where checkpoints live).
+        self._autosave = AutoSave(launch, self._checkpoints, self._sum_over_ranks)
+        self._prepared.boundary = self._autosave.boundary
         self._tracking = Tracking(
             self.config, self.strategy.state, self.wait_for_everyone, self.handlers.profile
         )
@@ -298,7 +303,24 @@ class Accelerator:
         """
         placement = device_placement or [self.device_placement] * len(objects)
         result = self._prepared.prepare(objects, placement)
+        self._autosave.watch_models(self._prepared.models)
         return result[0] if len(result) == 1 else tuple(result)
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps taken, those before a resume included (restored with the state)."""
+        return self._autosave.completed("completed_steps")
+
+    @property
+    def completed_epochs(self) -> int:
+        """Passes over the first prepared DataLoader finished, those before a resume included."""
+        return self._autosave.completed("completed_epochs")
+
+    def _sum_over_ranks(self, values: list[int]) -> list[int]:
+        if self.num_processes == 1:
+            return values
+        summed = self.strategy.reduce(torch.tensor(values, device=self.device), "sum")
+        return [int(v) for v in summed.tolist()]
 
     def prepare_model(
         self,

@@ -174,8 +174,17 @@ class Checkpoints:
             self.stateful(models),
             rank=state.rank,
             world_size=state.world_size,
-            progress={"step": self.step, "cycle": self.gradients.micro_steps_in_cycle},
+            progress=self.progress(),
         )
+
+    def progress(self) -> dict[str, int]:
+        """The counters a checkpoint keeps beside the objects."""
+        return {
+            "step": self.step,
+            "cycle": self.gradients.micro_steps_in_cycle,
+            "completed_steps": self.gradients.completed_steps,
+            "completed_epochs": self.gradients.completed_epochs,
+        }
 
     def load_folder(self, input_dir: str | os.PathLike[str] | None) -> None:
         state = self.prepared.strategy.state
@@ -197,6 +206,8 @@ class Checkpoints:
         )
         self.step = progress["step"]
         self.gradients.micro_steps_in_cycle = progress["cycle"]
+        self.gradients.completed_steps = progress.get("completed_steps", 0)
+        self.gradients.completed_epochs = progress.get("completed_epochs", 0)
 
     # -- Accelerate's automatic checkpoint naming (ProjectConfiguration) -------------------
     def _automatic_root(self) -> Path:

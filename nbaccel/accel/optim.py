@@ -39,6 +39,11 @@ class GradientState:
     end_of_dataloader: bool = False
     remainder: int = -1  # real samples in the last global batch, -1: not at the last batch
     sync_with_dataloader: bool = True
+    # Optimizer steps taken (the first prepared optimizer's, counting those before a resume)
+    # and passes over the first prepared dataloader finished: saved and restored, so a loop
+    # written against them resumes unchanged.
+    completed_steps: int = 0
+    completed_epochs: int = 0
 
     def next_micro_step(self) -> bool:
         """Count one micro-step (``accumulate``) and decide whether it syncs: every
@@ -80,6 +85,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.unscaled = False  # set when gradients were unscaled for clipping this step
         self.clipped = False
+        self.counts_steps = False  # the first prepared optimizer counts completed_steps
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -145,6 +151,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             # GradScaler lowers its scale exactly when it skipped the step for inf/NaN.
             self.step_was_skipped = self.scaler.get_scale() < scale
         self.unscaled = self.clipped = self.reduced = False
+        if self.counts_steps:
+            self.gradients.completed_steps += 1
         if self._after_step is not None:
             self._after_step()
         return result

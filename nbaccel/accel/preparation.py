@@ -82,6 +82,12 @@ class Prepared:
         # ZeRO-1's optimizer, so later optimizers and schedulers follow the replacements.
         self._new_params: dict[int, torch.nn.Parameter] = {}
         self._new_optimizers: dict[int, torch.optim.Optimizer] = {}
+        # The Accelerator's AutoSave.boundary, called by prepared loaders between batches.
+        self.boundary: Callable[[bool], None] | None = None
+
+    def _at_boundary(self, starting: bool) -> None:
+        if self.boundary is not None:
+            self.boundary(starting)
 
     def prepare(self, objects: tuple[Any, ...], placement: list[bool]) -> list[Any]:
         kinds = [kind_of(obj, i) for i, obj in enumerate(objects)]
@@ -148,6 +154,7 @@ class Prepared:
             **self.strategy.optimizer_hooks(),
             timer=self.strategy.step_timer,
         )
+        wrapped.counts_steps = not self.optimizers
         self.optimizers.append(wrapped)
         return wrapped
 
@@ -189,6 +196,8 @@ class Prepared:
             dispatch=self._dispatches(bool(settings.dispatch_batches)),
             before_iteration=self._rng_synchronisation(),
             timer=self.strategy.step_timer,
+            at_boundary=self._at_boundary,
+            counts_epochs=not self.dataloaders,  # the first prepared loader is the training one
         )
         self.dataloaders.append(prepared)
         return prepared

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbaccel.config import cadence
 from nbaccel.errors import ConfigError
 
 # The functions below take a ``nbaccel.config.schema.Config``; typed ``Any`` since the schema
@@ -43,13 +44,7 @@ def check_consistency(config: Config) -> None:
             "across machines, but num_machines=1. Use FULL_SHARD on one machine.",
             field="fsdp_sharding_strategy",
         )
-    if config.max_duration is not None and not config.detach:
-        raise ConfigError(
-            f"max_duration={config.max_duration:g} limits detached runs, whose supervisor "
-            "enforces it, but detach=False. Set detach=True, or stop a run in the cell with "
-            "the kernel's interrupt or run.stop().",
-            field="max_duration",
-        )
+    cadence.parse(config.checkpoint.every)  # raises ConfigError naming checkpoint_every
     if config.strategy == "xla" and config.use_cpu:
         raise ConfigError(
             "strategy='xla' runs on TPUs; use_cpu=True asks for CPU processes. Choose one.",

@@ -34,6 +34,7 @@ class Option:
     maximum: float | None
     accelerate_env: str | None
     int_list: bool = False  # a str field holding "0,2": a list or an int is taken too
+    number_as_text: bool = False  # a str field that may be given as a number: 600 -> "600"
 
     def get(self, config: object) -> Any:
         """This field's value in a ``Config`` (nested sections followed by the dotted path)."""
@@ -116,6 +117,8 @@ def normal_value(opt: Option, value: Any) -> Any:
             isinstance(item, int) and not isinstance(item, bool) for item in value
         ):
             return ",".join(map(str, value))
+    if opt.number_as_text and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}"
     return value  # anything else meets the field's own check, which names it
 
 
@@ -209,4 +212,5 @@ def make_option(spec: dataclasses.Field[Any], hint: Any, path: str) -> Option:
         maximum=meta.get("maximum"),
         accelerate_env=meta.get("accelerate_env"),
         int_list=bool(meta.get("int_list")),
+        number_as_text=bool(meta.get("number_as_text")),
     )

@@ -28,10 +28,17 @@ from nbaccel.config.field_values import (
     parse_text,
     shown_ranks,
 )
-from nbaccel.config.sections import DeepSpeedOptions, DynamoOptions, FSDPOptions, schema_field
+from nbaccel.config.sections import (
+    CheckpointOptions,
+    DeepSpeedOptions,
+    DynamoOptions,
+    FSDPOptions,
+    schema_field,
+)
 from nbaccel.errors import ConfigError
 
 __all__ = [
+    "CheckpointOptions",
     "Config",
     "DeepSpeedOptions",
     "DynamoOptions",
@@ -247,8 +254,17 @@ class Config:
     )
     max_duration: float | None = schema_field(
         None,
-        "Seconds after which a detached run's supervisor stops every worker (None: no limit).",
+        "Seconds after which the run saves and stops, as on SIGTERM (None: no limit): end "
+        "before Colab's or Kaggle's cap with a checkpoint to resume from.",
         minimum=0.001,
+    )
+    checkpoint: CheckpointOptions = field(
+        default_factory=CheckpointOptions, metadata={"help": CheckpointOptions.__doc__}
+    )
+    resume: str = schema_field(
+        "never",
+        "'auto': continue from the newest complete checkpoint in checkpoint_dir (its durable "
+        "copy or the local one) when there is one; 'never'; or a checkpoint folder or URL.",
     )
     debugger: bool = schema_field(
         True,

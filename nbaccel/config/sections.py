@@ -24,9 +24,11 @@ def schema_field(
     minimum: float | None = None,
     maximum: float | None = None,
     int_list: bool = False,
+    number_as_text: bool = False,
 ) -> Any:
     """A leaf field of the schema. ``int_list``: a text field holding a comma list of
-    integers (``"0,2"``), which code and YAML may also give as a list or one int."""
+    integers (``"0,2"``), which code and YAML may also give as a list or one int;
+    ``number_as_text``: a text field that code and YAML may also give as a number."""
     meta = {
         "help": help,
         "choices": choices,
@@ -34,6 +36,7 @@ def schema_field(
         "minimum": minimum,
         "maximum": maximum,
         "int_list": int_list,
+        "number_as_text": number_as_text,
     }
     return field(default=default, metadata=meta)
 
@@ -149,4 +152,36 @@ class DynamoOptions:
         "Compile each repeated block (e.g. every transformer layer) on its own: a much faster "
         "cold start, the same results.",
         accelerate_env="ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION",
+    )
+    cache_dir: str = schema_field(
+        "",
+        "Where torch.compile's caches (Inductor, AOTAutograd, Triton) and torch_xla's "
+        "persistent cache live, kept between launches instead of under /tmp. Empty: "
+        "runs_dir/compile_cache. Checkpoints carry a run's compiled artifacts too.",
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Periodic saves, durable places and save-and-stop: runs that outlive their machine."""
+
+    every: str = schema_field(
+        "auto",
+        "Save the whole training state at a step every rank agrees on, in the background: "
+        "seconds ('600'), a duration ('15min', '2h') or steps ('500 steps'); 'off'. 'auto': "
+        "every 15min when checkpoint_dir is set or resume is not 'never', else off.",
+        number_as_text=True,
+    )
+    dir: str = schema_field(
+        "",
+        "Where periodic and stop checkpoints go: a folder (Colab's Drive, /kaggle/working) or "
+        "an fsspec URL (gs://, s3://, hf://), written locally first and copied in the "
+        "background. Empty: runs_dir/checkpoints/<the function's name>.",
+    )
+    keep: int = schema_field(2, "How many of the newest checkpoints to keep.", minimum=1)
+    grace: float = schema_field(
+        120.0,
+        "Seconds the ranks have to save when asked to stop (SIGTERM or SIGUSR1, max_duration, "
+        "Stop's save and stop, run.stop(save=True)) before they are ended.",
+        minimum=1.0,
     )

@@ -35,6 +35,7 @@ from nbaccel.launcher.bootstrap.payload import build_payload
 from nbaccel.launcher.bootstrap.pickling import cell_globals
 from nbaccel.launcher.detached.start import start_detached
 from nbaccel.launcher.local.start import start_planned
+from nbaccel.launcher.long_runs.settle import settle
 from nbaccel.launcher.planned import Display, Planned
 from nbaccel.launcher.remote.hosts_launch import (
     place_here,
@@ -97,6 +98,7 @@ def plan(
         hosts = explicit["hosts"]
         explicit["hosts"] = (hosts,) if isinstance(hosts, str) else tuple(hosts)
     resolved = resolve(explicit, env=os.environ, config=config)
+    resolved, resume_notes = settle(resolved, function)
     placement, xla, chosen = None, None, GpuChoice(0)
     if resolved.config.hosts:  # several machines from here: every host checked over SSH
         placement = place_on_hosts(resolved.config, os.environ)
@@ -133,6 +135,7 @@ def plan(
             kwargs or {},
             resolved.config,
             settle_later=placement is None and xla is None and not resolved.config.detach,
+            notices=resume_notes,
         ),
         env=dict(os.environ) | chosen.worker_env(),  # gpu_ids: the workers see only those
         cwd=os.getcwd(),

@@ -34,17 +34,20 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.config.schema import Config
-from nbaccel.errors import HelperError
+from nbaccel.errors import ANOTHER_RANK, HelperError
 from nbaccel.events import (
+    CheckpointSaved,
     DeviceMemory,
     Event,
     LogLine,
     Metric,
     ModelPrepared,
     ModulesImported,
+    Notice,
     OutputMark,
     Rank0Value,
     RankExited,
+    RankStopped,
     ResultReady,
     RunEnded,
     RunState,
@@ -84,6 +87,7 @@ class RunPump(StallReports, RestartsSeen):
     ranks: tuple[int, ...]
     _xla: XlaPlan | None
     _state: RunState
+    _stopped: RankStopped | None
     _subscribers: list[Subscriber]
     _metrics: deque[dict[str, Any]]
     _metrics_seen: int
@@ -250,6 +254,23 @@ class RunPump(StallReports, RestartsSeen):
             case Rank0Value():  # rank 0 ran on another machine: kept as its own value is
                 self._rank0_value = message.value
                 keep_in_folder(self.run_dir / "result-rank0.pkl", Packed(message.value))
+            case RankStopped():
+                r.stopped = True
+                if self._stopped is None or self._stopped.why == ANOTHER_RANK:
+                    self._stopped = message  # the rank that was asked says why
+                self._record({"event": "stopped", "rank": r.rank, "step": message.completed_steps})
+            case CheckpointSaved():
+                record = dataclasses.asdict(message)
+                self._record({"event": "checkpoint", **record})
+                self._emit(message)
+                what = "saved before stopping" if message.stopping else "saved"
+                self._emit(
+                    Notice(
+                        f"checkpoint {what} at step {message.completed_steps:,} "
+                        f"in {message.location} ({message.seconds:.1f} s)",
+                        time.time(),
+                    )
+                )
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModulesImported() if self._helper is not None:  # for the next launch
@@ -261,6 +282,8 @@ class RunPump(StallReports, RestartsSeen):
         op = message["op"]
         if op in ("stall", "watch_stalls", "notice"):
             self._on_stall_message(message)
+        elif op == "stop" and message.get("save"):
+            self._arbiter.save_and_stop(time.monotonic(), self.config.checkpoint.grace)
         elif op == "stop":
             self._arbiter.cancel(time.monotonic())
         elif op == "exited" and self._xla is not None:
@@ -301,13 +324,19 @@ class RunPump(StallReports, RestartsSeen):
         r.exitcode = status
         self._record({"event": "exited", "rank": r.rank, "exitcode": status})
         self._emit(RankExited(r.rank, status, time.time()))
-        if not r.has_result and not self._arbiter.cancelled:
+        asked_to_end = self._arbiter.cancelled or self._arbiter.saving
+        if not r.has_result and not r.stopped and not asked_to_end:
             self._fail(Failure(r.rank, "exit", time.time(), exitcode=status))
         if all(x.exitcode is not None for x in self._ranks.values()):
             self._drain_deadline = time.monotonic() + DRAIN_SECONDS
 
     def _tick(self) -> None:
         live = [r.rank for r in self._ranks.values() if r.exitcode is None]
+        deadline = self._max_duration_deadline()
+        if deadline is not None and time.monotonic() >= deadline and not self._arbiter.saving:
+            limit = self.config.max_duration
+            self._emit(Notice(f"max_duration={limit:g} s passed: saving and stopping", time.time()))
+            self._arbiter.save_and_stop(time.monotonic(), self.config.checkpoint.grace)
         self._check_stall(live, time.monotonic())
         everyone_exited = not live
         for signum, ranks in self._arbiter.due(time.monotonic(), live, everyone_exited):
@@ -315,9 +344,16 @@ class RunPump(StallReports, RestartsSeen):
                 # torch_xla's workers share the supervisor's process group: all or none.
                 self._helper.signal(self.run_id, signum, ranks if self._xla is None else None)
 
+    def _max_duration_deadline(self) -> float | None:
+        limit = self.config.max_duration
+        if limit is None or self._arbiter.saving or self._arbiter.cancelled:
+            return None
+        return self._started + limit
+
     def _select_timeout(self) -> float | None:
         stall = self._stall.next_deadline() if self._debug is not None else None
-        deadlines = [d for d in (self._arbiter.next_deadline(), self._drain_deadline, stall) if d]
+        pending = (self._arbiter.next_deadline(), self._drain_deadline, stall)
+        deadlines = [d for d in (*pending, self._max_duration_deadline()) if d]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _finished(self) -> bool:
@@ -344,7 +380,12 @@ class RunPump(StallReports, RestartsSeen):
             )
             self._note_debugged(self._error, stuck)  # a stuck rank that was in pdb
             state = RunState.FAILED
-        elif self._arbiter.cancelled and not all(r.has_result for r in self._ranks.values()):
+        elif self._stopped is not None:
+            state = RunState.STOPPED
+            self._say_stopped(self._stopped)
+        elif (self._arbiter.cancelled or self._arbiter.saving) and not all(
+            r.has_result for r in self._ranks.values()
+        ):
             state = RunState.CANCELLED
         else:
             state = RunState.SUCCEEDED
@@ -356,6 +397,25 @@ class RunPump(StallReports, RestartsSeen):
         self._state = state
         self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
         self._done.set()
+
+    def _say_stopped(self, stopped: RankStopped) -> None:
+        killed = [r.rank for r in self._ranks.values() if not r.stopped]
+        if killed:  # they did not reach the save in the grace: the checkpoint may lack them
+            self._emit(
+                Notice(
+                    f"ranks {killed} did not save within checkpoint_grace="
+                    f"{self.config.checkpoint.grace:g} s and were ended",
+                    time.time(),
+                )
+            )
+        self._emit(
+            Notice(
+                f"stopped ({stopped.why}), saved at step {stopped.completed_steps:,} "
+                f"in {stopped.checkpoint_dir}: launch again with resume='auto' to go "
+                "on",
+                time.time(),
+            )
+        )
 
     def _close_everything(self) -> None:
         self._boxes.close()  # ranks that sent no value

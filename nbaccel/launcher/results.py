@@ -44,6 +44,7 @@ class RankPipes:
     result_refs: tuple[tuple[int, int, int], ...] = ()  # its buffers in the rank's result box
     result_map: memoryview | None = None  # that box, mapped (sharing.segments.map_private)
     has_result: bool = False
+    stopped: bool = False  # ended on a stop request after every rank saved (RankStopped)
     attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
 

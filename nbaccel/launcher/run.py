@@ -84,6 +84,7 @@ class Run(RunStart):
         self._rank0_value: bytes | None = None
         self._arbiter = Arbiter()
         self._drain_deadline: float | None = None
+        self._stopped = None  # the RankStopped that a save-and-stop ended the run with
         self._error: BaseException | None = None
         self._results_cache: dict[int, Any] = {}
         self._started = time.monotonic()
@@ -128,7 +129,7 @@ class Run(RunStart):
         failing rank's exit code (128 + the signal number when a signal killed it)."""
         if not self._state.done:
             return None
-        if self._state is RunState.SUCCEEDED:
+        if self._state in (RunState.SUCCEEDED, RunState.STOPPED):
             return 0
         culprit = self._arbiter.culprit
         if self._state is RunState.CANCELLED or culprit is None:
@@ -197,7 +198,7 @@ class Run(RunStart):
                 "they wrote is in run.logs(rank); a failed rank's traceback is in run.error."
             )
         # A worker that has not said it started may not have set up faulthandler yet: the
-        # fallback's SIGUSR1 would end it. It is named, not asked.
+        # fallback's SIGUSR2 would end it. It is named, not asked.
         waiting = {r.rank for r in self._ranks.values() if r.exitcode is None and r.pid is None}
         live = [r.rank for r in self._ranks.values() if r.exitcode is None and r.pid is not None]
         return {
@@ -207,7 +208,7 @@ class Run(RunStart):
             self._debug,
             live,
             host_of=self.host_of,
-            # SIGUSR1 to the rank's pid only: its DataLoader workers and tools would die of
+            # SIGUSR2 to the rank's pid only: its DataLoader workers and tools would die of
             # it. torch_xla's ranks are its supervisor's children, in its process group:
             # only that group reaches them.
             signal_ranks=lambda signum, ranks: self.signal_workers(
@@ -232,11 +233,23 @@ class Run(RunStart):
             self.wait(timeout)
             return {r.rank: self._value(r.rank, None) for r in self._ranks.values()}
 
-    def stop(self, timeout: float = 10.0) -> RunState:
-        """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL."""
+    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState:
+        """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL.
+
+        ``save=True``: every rank saves at a step they agree on, then ends (the run is
+        ``stopped``, resumable with ``resume="auto"``); ranks that cannot save within
+        ``checkpoint_grace`` are ended. ``timeout`` defaults to 10 s (the grace and 10 s).
+        """
+        if timeout is None:
+            timeout = 10.0 + (self.config.checkpoint.grace if save else 0.0)
         if not self._done.is_set():
-            self._post({"op": "stop"})
+            self._post({"op": "stop", "save": save})
         return self._await_end(timeout)
+
+    @property
+    def saved_step(self) -> int | None:
+        """The step every rank saved at before a save-and-stop ended the run, else None."""
+        return self._stopped.completed_steps if self._stopped is not None else None
 
     def _await_end(self, timeout: float | None) -> RunState:
         """``wait`` without serving debugger stops: for a run being stopped or closed, whose
@@ -276,7 +289,7 @@ class Run(RunStart):
     ) -> None:
         """Send ``signum`` to the process group of every live worker of this run (or of
         ``ranks``): what an interactive worker's interrupt is. ``group=False``: to each
-        worker's own pid only, none of the processes it started (a stack dump's SIGUSR1,
+        worker's own pid only, none of the processes it started (a stack dump's SIGUSR2,
         which would end them). Nothing once it has ended."""
         if self._helper is not None and not self._done.is_set():
             self._helper.signal(self.run_id, signum, ranks, group=group)
@@ -299,6 +312,8 @@ class Run(RunStart):
             raise RunCancelled(
                 f"run {self.run_id} was stopped before it finished; it has no result."
             )
+        if state is RunState.STOPPED:
+            return None  # saved and stopped: the checkpoint is the result (resume="auto")
         if rank not in self._results_cache:
             here = self._ranks.get(rank)
             # Rank 0 on another machine (a job whose machines each have a cell): its value

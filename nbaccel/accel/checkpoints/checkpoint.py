@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,13 +104,26 @@ def save_state(
     rank: int,
     world_size: int,
     progress: dict[str, int],
+    name: str | None = None,
+    keep: int = 1,
+    extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write a checkpoint of ``objects`` under ``directory``; every rank must call it."""
+    """Write a checkpoint of ``objects`` under ``directory``; every rank must call it.
+
+    ``name``: the state's name when every rank knows it already (periodic saves name it by
+    the step), else rank 0 draws one and shares it. ``keep``: how many states stay.
+    ``extra_files(staging)``: each rank's own additions (compiled artifacts, the metrics).
+    """
     root = Path(directory)
     hooks = objects.device
     host = hooks.to_host if hooks is not None else _same
     barrier = hooks.barrier if hooks is not None else _barrier
-    name = _agree_on_name(root, rank, hooks.share if hooks is not None else _broadcast)
+    share = hooks.share if hooks is not None else _broadcast
+    if name is None:
+        name = _agree_on_name(root, rank, share)  # rank 0 made the folder before sharing
+    else:
+        _prepare_named(root, rank, name)
+        barrier()  # the staging folder exists before any rank writes into it
     staging = root / f".partial-{name}"
     inner_optimizers = [getattr(o, "optimizer", o) for o in objects.optimizers]
     if objects.layout == "deepspeed":  # every rank writes its ZeRO partitions
@@ -133,15 +147,9 @@ def save_state(
             torch.save(objects.scaler.state_dict(), staging / "scaler.pt")
         for i, obj in enumerate(objects.custom):
             torch.save(host(obj.state_dict()), staging / f"custom_{i}.pt")
-        meta = {
-            "format": FORMAT,
-            "layout": objects.layout,
-            "counts": objects.counts(),
-            "world_size": world_size,
-            "progress": progress,
-            "dataloaders": [loader.state_dict() for loader in objects.dataloaders],
-        }
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (staging / "meta.json").write_text(json.dumps(meta(objects, world_size, progress)))
+    if extra_files is not None:
+        extra_files(staging)
     randomness = rng_states()
     if hooks is not None:
         randomness["device"] = hooks.rng_state()
@@ -158,15 +166,43 @@ def save_state(
         # folder is renamed and LATEST moved, durably at each step. After the barrier nobody
         # writes there, so the walk races with nothing.
         publish(root, staging, final, LATEST)
-        for old in root.glob("state-*"):
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep, final)
     barrier()  # nobody reads or saves again before the commit
     if hooks is not None:
         # XLA advances its seed at every graph cut (sync), and saving cut several after the
         # seed was read: go on from the seed as saved, where a loading run goes on from.
         hooks.set_rng_state(randomness["device"])
     return final
+
+
+def meta(objects: Stateful, world_size: int, progress: dict[str, int]) -> dict[str, Any]:
+    """What ``meta.json`` holds: the format, the layout and counts that loading checks, the
+    step counters, each dataloader's position, and when it was saved."""
+    return {
+        "format": FORMAT,
+        "layout": objects.layout,
+        "counts": objects.counts(),
+        "world_size": world_size,
+        "progress": progress,
+        "dataloaders": [loader.state_dict() for loader in objects.dataloaders],
+        "saved_at": time.time(),
+    }
+
+
+def prune(root: Path, keep: int, final: Path) -> None:
+    """Remove all but the ``keep`` newest states (``final``, just published, among them)."""
+    states = [p for p in root.glob("state-*") if p != final and p.is_dir()]
+    states.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in states[max(0, keep - 1) :]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _prepare_named(root: Path, rank: int, name: str) -> None:
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".partial-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        (root / f".partial-{name}").mkdir()
 
 
 def _agree_on_name(root: Path, rank: int, share: Callable[[str], str]) -> str:
@@ -269,6 +305,8 @@ def find_checkpoint(root: Path) -> Path:
             "save_state() with it first."
         )
     pointer = root / LATEST
+    if not pointer.exists() and root.name.startswith("state-") and (root / "meta.json").exists():
+        return root  # a state folder itself (what a durable copy is fetched as)
     if not pointer.exists():
         if any(root.glob(".partial-*")):
             why = "it holds only a save that never finished (the run stopped during save_state)"

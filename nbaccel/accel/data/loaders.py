@@ -72,8 +72,11 @@ class PreparedDataLoader(DataLoader[Any]):
         dispatch: bool = False,
         before_iteration: Callable[[], None] | None = None,
         timer: StepTimer | None = None,
+        at_boundary: Callable[[bool], None] | None = None,
+        counts_epochs: bool = False,
     ) -> None:
         self.timer = timer if timer is not None else disabled_timer()  # the step breakdown
+        self.at_boundary, self.counts_epochs = at_boundary, counts_epochs
         source: Any = loader.batch_sampler
         if source is None:
             raise TypeError(
@@ -132,6 +135,8 @@ class PreparedDataLoader(DataLoader[Any]):
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        if self.at_boundary is not None:
+            self.at_boundary(True)  # a resume is restored before the pass reads its position
         self.timer.begin_data(self)  # the first batch's wait includes starting the pass
         if self.before_iteration is not None:
             self.before_iteration()
@@ -242,8 +247,11 @@ class PreparedIterableLoader:
         dispatch: bool = False,
         before_iteration: Callable[[], None] | None = None,
         timer: StepTimer | None = None,
+        at_boundary: Callable[[bool], None] | None = None,
+        counts_epochs: bool = False,
     ) -> None:
         self.timer = timer if timer is not None else disabled_timer()  # the step breakdown
+        self.at_boundary, self.counts_epochs = at_boundary, counts_epochs
         self.original = loader
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size
@@ -260,6 +268,8 @@ class PreparedIterableLoader:
         self._resuming = False
 
     def __iter__(self) -> Iterator[Any]:
+        if self.at_boundary is not None:
+            self.at_boundary(True)
         self.timer.begin_data(self)
         if self.before_iteration is not None:
             self.before_iteration()
@@ -316,6 +326,12 @@ def _hand_out(
                 batch = send_to_device(batch, loader.device, loader.non_blocking)
             timer.end_data(batch)
             yield batch
+            # The loop asks for its next batch: the iteration before is over. A last batch
+            # ends the pass now, so a save here resumes at the next epoch, counted.
+            if last and loader.counts_epochs:
+                gradients.completed_epochs += 1
+            if loader.at_boundary is not None:
+                loader.at_boundary(False)
             timer.begin_data(loader)
     finally:  # exhausted, or the loop left early (break, an exception)
         timer.loop_ended(loader)

@@ -65,6 +65,7 @@ def build_payload(
     kwargs: Mapping[str, Any],
     config: Config,
     settle_later: bool = False,
+    notices: Sequence[str] = (),
 ) -> Payload:
     """What every worker reads: function, args, kwargs, config, sys.path, cell sources.
     ``settle_later``: data kept from earlier launches is checked once the workers are
@@ -82,7 +83,7 @@ def build_payload(
         },
         protocol=5,
     )
-    return Payload(data, shared, (notice,) if notice else ())
+    return Payload(data, shared, tuple(notices) + ((notice,) if notice else ()))
 
 
 def pack_call(

@@ -16,7 +16,6 @@ import faulthandler
 import linecache
 import os
 import pickle
-import signal
 import socket
 import sys
 import time
@@ -28,7 +27,14 @@ import torch
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
-from nbaccel.events import ModulesImported, ResultReady, WorkerFailed
+from nbaccel.errors import TrainingStopped
+from nbaccel.events import (
+    STACK_DUMP_SIGNAL,
+    ModulesImported,
+    RankStopped,
+    ResultReady,
+    WorkerFailed,
+)
 from nbaccel.frames import EventWriter
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.bootstrap import pickling, script
@@ -40,7 +46,8 @@ from nbaccel.launcher.sharing.segments import Segment
 
 
 def capture_output(log_fd: int) -> None:
-    """Point fd 1 and 2 (C/C++ output included) at a rank's log pipe; dump stacks on SIGUSR1."""
+    """Point fd 1 and 2 (C/C++ output included) at a rank's log pipe; dump stacks on
+    ``STACK_DUMP_SIGNAL`` (SIGUSR2: SIGUSR1 and SIGTERM ask a rank to save and stop)."""
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
@@ -48,8 +55,8 @@ def capture_output(log_fd: int) -> None:
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     faulthandler.enable(file=sys.stderr, all_threads=True)
     # A C-level handler, so it works from torch_xla's device threads too (signal.signal
-    # would not): the arbiter's SIGUSR1 dumps every thread's stack for a hang report.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # would not): the arbiter's signal dumps every thread's stack for a hang report.
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 def run_payload(
@@ -108,6 +115,13 @@ def run_payload(
             if exit_request.code not in (0, None):
                 raise
             value = None
+        except TrainingStopped as stopped:  # every rank saved at the same step: a clean end
+            steps, where = stopped.completed_steps, stopped.checkpoint_dir
+            events.send(RankStopped(context.rank, steps, where, stopped.why, time.time()))
+            finish(b"")
+            return 0
+        for at_end in session.at_function_end:  # the last background save finishes
+            at_end()
         if box is None:
             packed = Packed(dump_result(context.rank, value))
         else:

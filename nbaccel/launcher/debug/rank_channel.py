@@ -4,7 +4,7 @@
 stops pays nothing) and answers ``{"op": "stacks"}`` at once (``stacks.stacks_now``), even
 while the main thread waits in a collective, which releases the GIL; a thread that holds the
 GIL in C code keeps it from answering, and the kernel then falls back to faulthandler's dump
-into the rank's log (SIGUSR1, as the hang report does). Every other frame from the kernel
+into the rank's log (SIGUSR2, as the hang report does). Every other frame from the kernel
 (an answer, a typed line) goes to the thread in the debugger.
 
 ``install`` makes ``breakpoint()`` and ``pdb.set_trace()`` open a ``ChannelPdb`` here, as

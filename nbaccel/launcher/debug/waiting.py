@@ -6,17 +6,17 @@ read every rank's stacks now.
 (``console.DebugConsole``), the stepping rank's first. ``collect_stacks`` asks every rank on
 its channel and, for a rank that does not answer within the timeout (a thread holding the
 GIL in C code, a worker with no channel), falls back to faulthandler's dump into its log
-(SIGUSR1, as the hang report does), read back from the log. Stdlib only.
+(SIGUSR2, as the hang report does), read back from the log. Stdlib only.
 """
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from nbaccel.events import STACK_DUMP_SIGNAL
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.hub import STEP_PATIENCE, DebugHub
 from nbaccel.launcher.debug.stacks import STACKS_TIMEOUT, describe
@@ -76,14 +76,14 @@ def collect_stacks(
     timeout: float = STACKS_TIMEOUT,
 ) -> dict[int, str]:
     """Each of ``ranks``' stacks now, as text (``stacks.describe``); ranks whose channel did
-    not answer get faulthandler's dump from their log (``signal_ranks(SIGUSR1, ranks)``)."""
+    not answer get faulthandler's dump from their log (``STACK_DUMP_SIGNAL`` to them)."""
     ranks = sorted(ranks)
     answers = hub.stacks(ranks, timeout) if hub is not None else {}
     texts = {rank: describe(rank, host_of(rank), answer) for rank, answer in answers.items()}
     missing = [rank for rank in ranks if rank not in answers]
     if missing:
         sizes = {rank: _size(log_path(rank)) for rank in missing}
-        signal_ranks(int(signal.SIGUSR1), missing)
+        signal_ranks(int(STACK_DUMP_SIGNAL), missing)
         dumps = _read_dumps(log_path, sizes, DUMP_TIMEOUT)
         for rank in missing:
             where = f"rank {rank}" + (f" on {host}" if (host := host_of(rank)) else "")

@@ -3,7 +3,8 @@
 A Unix socket in the abstract namespace (its name, random, is kept in the 0600
 ``run_dir/supervisor.json``): no file to clean up, no TCP port, and every connection is
 checked with ``SO_PEERCRED`` so only this user's processes are served. A client sends one
-line, ``follow``, ``stacks`` or ``stop``. ``follow`` gets what happened so far, then every new event
+line, ``follow``, ``stacks``, ``stop`` or ``save-stop``. ``follow`` gets what happened so
+far, then every new event
 as it happens (length-prefixed pickled ``{"event": Event}`` frames, ``frames.encode_frame``)
 until the run ends. ``stacks`` gets ``{"stacks": {rank: text}}`` (``Run.stacks``: where each
 rank is now, nothing stopped). ``stop`` stops the run as ■ would. Stdlib only.
@@ -136,8 +137,11 @@ class AttachServer:
                 answer = {"error": str(error)}
             _send(conn, encode_frame(answer))
             conn.close()
-        elif request == b"stop" and self._run is not None:
-            self._run.stop()  # returns once every worker is gone
+        elif request in (b"stop", b"save-stop") and self._run is not None:
+            try:  # returns once every worker is gone
+                self._run.stop(save=request == b"save-stop")
+            except TimeoutError:
+                pass  # the follower sees the end when it comes
             _send(conn, encode_frame({"stopped": self._run.state.value}))
             conn.close()
         elif request == b"follow":

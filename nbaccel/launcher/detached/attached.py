@@ -77,12 +77,15 @@ class AttachedRun(Run):
         self.wait(timeout)
         return {rank: self._value(rank, None) for rank in range(self.world_size)}
 
-    def stop(self, timeout: float = 10.0) -> RunState:
-        """Stop every worker of the run, wherever it was launched from."""
+    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState:
+        """Stop every worker of the run, wherever it was launched from (``save=True``: each
+        rank saves at a step they agree on first, as ``Run.stop`` says)."""
+        if timeout is None:
+            timeout = 10.0 + (self.config.checkpoint.grace if save else 0.0)
         if not self._done.is_set():
             try:
                 with _connect(self._record_info["address"]) as conn:
-                    conn.sendall(b"stop\n")
+                    conn.sendall(b"save-stop\n" if save else b"stop\n")
                     conn.settimeout(timeout)
                     while conn.recv(4096):  # the supervisor answers once every worker is gone
                         pass
@@ -175,7 +178,10 @@ class AttachedRun(Run):
                 elif record.get("event") == "step_breakdown":
                     fields = ("rank", "steps", "phases", "samples", "tokens", "peak_memory")
                     window = {field: record[field] for field in fields}
-                    self._take(StepBreakdown(**window, time=record["time"]))
+                    compiling = record.get("compile_seconds", 0.0)  # absent in older runs
+                    self._take(
+                        StepBreakdown(**window, time=record["time"], compile_seconds=compiling)
+                    )
             for rank in range(self.world_size):
                 for line in self.logs(rank).splitlines():
                     self._emit(LogLine(rank, line, False, False, time.time()))

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from nbaccel.events import RunEnded
+from nbaccel.events import SAVE_AND_STOP_SIGNALS, RunEnded
 from nbaccel.launcher.detached.attach_server import AttachServer
 from nbaccel.launcher.detached.attached import FAILED, READY, SUPERVISOR_RECORD, write_error
 from nbaccel.launcher.local.start import start_planned
@@ -66,7 +66,8 @@ def main(plan_file: str) -> int:
         sigterm.set()
         wake.set()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for signum in SAVE_AND_STOP_SIGNALS:  # a scheduler's notice: save, then end
+        signal.signal(signum, on_sigterm)
     _supervise(run, planned.resolved.config.max_duration, sigterm, wake)
     # Before the channel closes: a kernel that attaches later reads the error from here.
     write_error(run.run_dir, run.error)
@@ -77,12 +78,16 @@ def main(plan_file: str) -> int:
 def _supervise(
     run: Run, max_duration: float | None, sigterm: threading.Event, wake: threading.Event
 ) -> None:
-    """Wait for the end; stop the run on SIGTERM or once ``max_duration`` has passed."""
+    """Wait for the end; on SIGTERM/SIGUSR1 or once ``max_duration`` has passed, every rank
+    saves at a step they agree on and the run stops (``Run.stop(save=True)``)."""
     if not run.state.done and not wake.wait(timeout=max_duration):
-        print(f"nbaccel: max_duration={max_duration:g} s passed: stopping the run", flush=True)
+        print(f"nbaccel: max_duration={max_duration:g} s passed: saving and stopping", flush=True)
     elif sigterm.is_set():
-        print("nbaccel: SIGTERM: stopping the run", flush=True)
-    run.stop(timeout=60)
+        print("nbaccel: asked to stop: saving and stopping the run", flush=True)
+    try:
+        run.stop(save=True)
+    except TimeoutError:
+        run.stop(timeout=60)
 
 
 def _redirect_output(log: Path) -> None:

@@ -92,7 +92,7 @@ def signal_group(pid: int, signum: int) -> None:
 
 def signal_pid(pid: int, signum: int) -> None:
     """Send ``signum`` to a worker alone, none of the processes it started (gone or not
-    ours: nothing): what a stack dump needs, whose SIGUSR1 would end a DataLoader worker,
+    ours: nothing): what a stack dump needs, whose SIGUSR2 would end a DataLoader worker,
     a subprocess or a tracker's service the rank started.
 
     >>> signal_pid(2**22 + 12345, 0)  # no such process: nothing happens, nothing raised

@@ -3,7 +3,7 @@
 The pump thread reports failures and asks, on every turn, which signals are due. Failures
 are collected for a short window so that a rank's own failure can beat its peers'
 "connection closed" reports that arrive first; then the culprit is fixed and the others are
-stopped: SIGTERM then SIGKILL, or for a hang a stack dump (SIGUSR1) of the stuck ranks first.
+stopped: SIGTERM then SIGKILL, or for a hang a stack dump (SIGUSR2) of the stuck ranks first.
 A user's stop asks nicely first (SIGINT). Pure logic over the clock it is given; stdlib only.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
+from nbaccel.events import STACK_DUMP_SIGNAL
 from nbaccel.launcher.outcome.failures import Failure, choose_culprit
 
 ARBITRATION_SECONDS = 0.5  # collect peers' failures before naming the culprit
@@ -21,7 +22,7 @@ ARBITRATION_SECONDS = 0.5  # collect peers' failures before naming the culprit
 PEER_PATIENCE_SECONDS = 5.0
 FAILURE_ESCALATION = ((0.0, signal.SIGTERM), (1.0, signal.SIGKILL))
 STOP_ESCALATION = ((0.0, signal.SIGINT), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
-HANG_ESCALATION = ((0.0, signal.SIGUSR1), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
+HANG_ESCALATION = ((0.0, STACK_DUMP_SIGNAL), (0.5, signal.SIGTERM), (1.5, signal.SIGKILL))
 
 Signal = tuple[int, list[int] | None]  # (signal number, ranks; None: every live rank)
 
@@ -47,6 +48,7 @@ class Arbiter:
         self.culprit: Failure | None = None
         self.stuck: list[int] = []  # ranks that never joined a timed-out collective
         self.cancelled = False
+        self.saving = False  # asked to save and stop: ranks end on their own, or at the grace
         self._decide_at: float | None = None
         self._steps: list[tuple[float, int]] = []
         self._dump_ranks: list[int] | None = None
@@ -67,6 +69,13 @@ class Arbiter:
             self.cancelled = True
             self._schedule(STOP_ESCALATION, now)
 
+    def save_and_stop(self, now: float, grace: float) -> None:
+        """Ask every rank to save at a step they agree on and stop (SIGTERM, which a rank's
+        loop answers at its next step), then SIGKILL whatever is left after ``grace``."""
+        if not self.cancelled and not self.saving and self.culprit is None:
+            self.saving = True
+            self._steps = [(now, int(signal.SIGTERM)), (now + grace, int(signal.SIGKILL))]
+
     def due(self, now: float, live: Sequence[int], everyone_exited: bool) -> list[Signal]:
         """Decide the culprit when its time has come; return the signals to send now."""
         window_closed = self._decide_at is not None and (now >= self._decide_at or everyone_exited)
@@ -83,7 +92,7 @@ class Arbiter:
         while self._steps and self._steps[0][0] <= now:
             _, signum = self._steps.pop(0)
             if live:
-                signals.append((signum, self._dump_ranks if signum == signal.SIGUSR1 else None))
+                signals.append((signum, self._dump_ranks if signum == STACK_DUMP_SIGNAL else None))
         return signals
 
     def next_deadline(self) -> float | None:

@@ -50,6 +50,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
+from nbaccel.events import STACK_DUMP_SIGNAL
 from nbaccel.frames import FrameDecoder, encode_frame
 from nbaccel.launcher import control
 from nbaccel.launcher.remote.worker_streams import READ_SIZE, everything, read_hello, whole_frames
@@ -149,7 +150,7 @@ class WorkerLinks:
 
     def signal(self, signum: int, ranks: list[int] | None, group: bool = True) -> None:
         """``signum`` to the ranks' process groups (``group=False``: their pids only: a
-        stack dump's SIGUSR1 must end none of the processes a rank started)."""
+        stack dump's SIGUSR2 must end none of the processes a rank started)."""
         with self._lock:
             targets = [pid for rank, pid in self.pids.items() if ranks is None or rank in ranks]
         for pid in targets:
@@ -311,7 +312,7 @@ def _obey(channel: Channel, starts: queue.Queue[tuple[dict[str, Any], WorkerLink
             links.write_debug(int(message["rank"]), message["data"])
         elif message.get("op") == "signal" and links is not None:
             signum = int(message["signal"])
-            if links.max_restarts and signum != signal.SIGUSR1:  # a stack dump ends nothing
+            if links.max_restarts and signum != STACK_DUMP_SIGNAL:  # a stack dump ends nothing
                 links.stop_restarts()
             links.signal(signum, message.get("ranks"), bool(message.get("group", True)))
             # elastic would restart what was killed (its restarts are not the kernel's to

@@ -172,7 +172,7 @@ def test_arbiter_schedules_hang_dumps_then_stops_and_ignores_collateral() -> Non
     arbiter.fail(Failure(0, "timeout", 1.0), now=100.0)
     assert arbiter.next_deadline() == 100.5
     signals = arbiter.due(now=100.5, live=[0, 1, 2], everyone_exited=False)
-    assert signals == [(signal.SIGUSR1, [1, 2])] and arbiter.stuck == [1, 2]
+    assert signals == [(signal.SIGUSR2, [1, 2])] and arbiter.stuck == [1, 2]
     arbiter.fail(Failure(1, "error", 2.0), now=100.6)  # after the decision: collateral
     assert arbiter.culprit is not None and arbiter.culprit.rank == 0
     assert arbiter.due(now=101.0, live=[1], everyone_exited=False) == [(signal.SIGTERM, None)]
