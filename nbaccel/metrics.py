@@ -2,12 +2,16 @@
 
 ``Accelerator.log`` calls this; any code running in a launched worker may call it too.
 The step-time breakdown travels the same way (``report_step_breakdown``, from the worker's
-``StepTimer``); ``nbaccel.step_board`` reads it back in the parent. Plain data, stdlib only.
+``StepTimer``), with the seconds spent compiling so far (``compile_seconds``, read from
+torch only where it is loaded already); ``nbaccel.step_board`` reads it back in the parent.
+Plain data, stdlib only.
 """
 
 from __future__ import annotations
 
 import numbers
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -76,10 +80,45 @@ def report_step_breakdown(window: Mapping[str, Any]) -> None:
     if session is not None:
         window_fields = {name: window[name] for name in _WINDOW_FIELDS}
         rank = session.context.rank
-        session.events.send_batched(StepBreakdown(rank, **window_fields, time=time.time()))
+        compiling = compile_seconds()
+        session.events.send_batched(
+            StepBreakdown(rank, **window_fields, time=time.time(), compile_seconds=compiling)
+        )
 
 
 _WINDOW_FIELDS = ("steps", "phases", "samples", "tokens", "peak_memory")  # StepBreakdown's
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (torch.compile: Dynamo's tracing and
+    the backend's compile, forward and backward graphs), from torch's own clock
+    (``torch._dynamo.utils.calculate_time_spent``). 0.0 while ``torch._dynamo`` was never
+    imported: it is not imported to ask, so this stays stdlib-only where torch is absent.
+
+    ``torch._dynamo.reset()`` zeroes torch's figure; the seconds counted before it are kept,
+    so the figure never goes back (what was compiled between the last reading and a reset
+    is not seen).
+
+    >>> compile_seconds() >= 0.0
+    True
+    """
+    utils = sys.modules.get("torch._dynamo.utils")
+    spent = getattr(utils, "calculate_time_spent", None) if utils is not None else None
+    if spent is None:
+        return 0.0
+    try:
+        now = float(spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a torch without this figure: nothing to show
+        return 0.0
+    with _compile_lock:
+        if now < _compile_clock["last"]:  # torch._dynamo.reset() zeroed it
+            _compile_clock["before_reset"] += _compile_clock["last"]
+        _compile_clock["last"] = now
+        return _compile_clock["before_reset"] + now
+
+
+_compile_lock = threading.Lock()  # torch_xla's threaded ranks share the process's figure
+_compile_clock = {"last": 0.0, "before_reset": 0.0}
 
 
 def _scalar(name: object, value: Any) -> float:

@@ -1,5 +1,6 @@
-"""Every rank's step-time breakdown, read back in the parent: per-rank means, throughput and
-the straggler (``StepBoard``). The dashboard's step panel and the text printer show it.
+"""Every rank's step-time breakdown, read back in the parent: per-rank means, throughput,
+the straggler and the time spent compiling (``StepBoard``). The dashboard's step panel and
+the text printer show it.
 
 The workers send it with ``nbaccel.metrics.report_step_breakdown`` (from the Accelerator's
 ``StepTimer``). Plain data, stdlib only.
@@ -31,6 +32,7 @@ class RankSteps:
     samples_per_second: float
     tokens_per_second: float | None
     peak_memory: dict[str, int] | None
+    compile_seconds: float = 0.0  # spent in torch.compile since the rank started
 
     @property
     def busy_seconds(self) -> float:
@@ -89,6 +91,11 @@ class StepBoard:
         """The rank's whole run."""
         return _rank_steps(rank, [self._totals[rank].as_event(rank)])
 
+    def compile_seconds(self) -> float:
+        """The longest any rank has spent compiling (torch.compile) so far: ranks compile
+        side by side, so the slowest is what the run waited. 0.0 without a compile."""
+        return max((self._totals[r].compile_seconds for r in self.ranks), default=0.0)
+
     def throughput(self, *, whole_run: bool = False) -> tuple[float, float | None]:
         """Samples/s and tokens/s (None without ``input_ids``) of all ranks together."""
         figures = [self.total(r) if whole_run else self.recent(r) for r in self.ranks]
@@ -126,6 +133,9 @@ class StepBoard:
         slow = self.straggler(whole_run=True)
         if slow is not None:
             line += f"; slowest rank {slow.rank} (+{100 * slow.excess:.0f}% busy per step)"
+        compiling = self.compile_seconds()
+        if compiling > 0:
+            line += f"; {compile_text(compiling)}"
         return line
 
 
@@ -135,9 +145,12 @@ class _Totals:
         self.tokens: int | None = None
         self.phases: dict[str, float] = {}
         self.peaks: dict[str, int] | None = None
+        self.compile_seconds = 0.0
 
     def add(self, event: StepBreakdown) -> None:
         self.steps += event.steps
+        # A running total on the rank, so its highest reading is its latest.
+        self.compile_seconds = max(self.compile_seconds, event.compile_seconds)
         self.samples += event.samples
         if event.tokens is not None:
             self.tokens = (self.tokens or 0) + event.tokens
@@ -149,7 +162,14 @@ class _Totals:
 
     def as_event(self, rank: int) -> StepBreakdown:
         return StepBreakdown(
-            rank, self.steps, self.phases, self.samples, self.tokens, self.peaks, 0.0
+            rank,
+            self.steps,
+            self.phases,
+            self.samples,
+            self.tokens,
+            self.peaks,
+            0.0,
+            self.compile_seconds,
         )
 
 
@@ -159,7 +179,9 @@ def _rank_steps(rank: int, windows: Any) -> RankSteps:
     phases: dict[str, float] = {}
     peaks: dict[str, int] | None = None
     tokens: int | None = None
+    compiling = 0.0
     for window in windows:
+        compiling = max(compiling, window.compile_seconds)
         for phase, value in window.phases.items():
             phases[phase] = phases.get(phase, 0.0) + value / max(steps, 1)
         for phase, peak in (window.peak_memory or {}).items():
@@ -176,4 +198,14 @@ def _rank_steps(rank: int, windows: Any) -> RankSteps:
         sum(w.samples for w in windows) * rate,
         None if tokens is None else tokens * rate,
         peaks,
+        compiling,
     )
+
+
+def compile_text(seconds: float) -> str:
+    """How the step-time line and the dashboard say the time spent compiling.
+
+    >>> compile_text(31.24), compile_text(0.04)
+    ('compile 31.2 s', 'compile 0.0 s')
+    """
+    return f"compile {seconds:.1f} s"

@@ -4,9 +4,10 @@ One row per rank: its mean step time over the last few seconds, a bar stacked by
 (data, forward, backward, communication, optimizer, other; widths are shares of the step),
 samples/s (and tokens/s when batches carry ``input_ids``), and the peak memory of the
 phase that peaked highest where the device reports it (CUDA). Below, the throughput of all
-ranks together and, when ranks drift apart, the slowest one named
-(``nbaccel.step_board.StepBoard.straggler``). Plain HTML in one ``ipywidgets.HTML``: no image
-to render, so it follows the dashboard's text updates (4 Hz) at no cost worth measuring.
+ranks together, the time spent compiling (torch.compile) when there was a compile, and, when
+ranks drift apart, the slowest one named (``nbaccel.step_board.StepBoard.straggler``). Plain
+HTML in one ``ipywidgets.HTML``: no image to render, so it follows the dashboard's text
+updates (4 Hz) at no cost worth measuring.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import html
 
 from nbaccel.events import Event, StepBreakdown
-from nbaccel.step_board import PHASES, STRAGGLER_THRESHOLD, StepBoard
+from nbaccel.step_board import PHASES, STRAGGLER_THRESHOLD, StepBoard, compile_text
 
 COLOURS = {
     "data": "#f2a541",
@@ -35,6 +36,11 @@ class StepPanel:
     >>> panel.handle(StepBreakdown(0, 4, {"forward": 0.02, "backward": 0.02}, 32, None, None, 0))
     True
     >>> "10.0 ms" in panel.html() and "800 samples/s" in panel.html()
+    True
+    >>> "compile" in panel.html()  # no torch.compile: nothing said about it
+    False
+    >>> _ = panel.handle(StepBreakdown(0, 1, {"forward": 0.01}, 8, None, None, 0, 31.24))
+    >>> "compile 31.2 s" in panel.html()
     True
     """
 
@@ -59,6 +65,12 @@ class StepPanel:
         )
         samples, tokens = board.throughput()
         rate = f"{samples:,.0f} samples/s" + (f", {tokens:,.0f} tokens/s" if tokens else "")
+        compiling = board.compile_seconds()
+        compiled = (
+            f'<span class="nbaccel-steps-compile">{compile_text(compiling)}</span> &middot; '
+            if compiling > 0
+            else ""
+        )
         slow = board.straggler()
         if slow is None:
             drift = f"ranks keep together (straggler: &gt; {STRAGGLER_THRESHOLD:.0%} busier)"
@@ -73,7 +85,7 @@ class StepPanel:
             '<div class="nbaccel-steps-panel"><b>Step time</b> (last seconds, per rank)'
             '<table style="border-collapse:collapse;font-size:90%">'
             f"{rows}</table><small>{legend}</small><br>"
-            f'<span class="nbaccel-steps-rate">throughput: {rate}</span> &middot; '
+            f'<span class="nbaccel-steps-rate">throughput: {rate}</span> &middot; {compiled}'
             f'<span class="nbaccel-steps-drift">{drift}</span></div>'
         )
 
