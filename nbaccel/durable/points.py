@@ -109,9 +109,9 @@ def newest_complete(location: str) -> CheckpointPoint | None:
     (a durable copy kept in a folder) that is checked too. A URL's state (``file://``
     included) must have its MANIFEST.json, and every file listed there present with its
     size: that is how a copy cut short is told from a complete one. None when the root is
-    missing or empty, has no LATEST, or LATEST names a state missing or incomplete (an older state is not looked
-    for: LATEST is only moved once a state is complete). ValueError when LATEST itself is
-    damaged (names a path outside the root).
+    missing or empty, has no LATEST, or LATEST names a state missing or incomplete (an
+    older state is not looked for: LATEST is only moved once a state is complete).
+    ValueError when LATEST itself is damaged (names a path outside the root).
 
     >>> import json, tempfile
     >>> from pathlib import Path

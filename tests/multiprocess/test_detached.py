@@ -247,11 +247,6 @@ def _listening_on_tcp(run_dir: Path) -> list[object]:
     return [c for c in psutil.Process(pid).net_connections("inet") if c.status == "LISTEN"]
 
 
-def test_max_duration_needs_detach() -> None:
-    with pytest.raises(nbaccel.ConfigError, match="max_duration=5 limits detached runs"):
-        nbaccel.launch(sum, args=([1],), max_duration=5.0, dashboard=False)
-
-
 def test_interrupting_the_launching_process_leaves_a_detached_run_going(tmp_path: Path) -> None:
     gate, runs = tmp_path / "gate", str(tmp_path / "runs")
     kernel_a = start_kernel_a(tmp_path, gate, runs)

@@ -58,6 +58,7 @@ class AutoSave:
         self._armed = False
         self.pending_resume = None if config.resume == "never" else config.resume
         self.resumed_from: str | None = None
+        self.saves: list[int] = []  # the steps this rank saved at (the same on every rank)
         self._hooks: list[Any] = []  # forward pre-hooks that restore before a first forward
         if self.session is not None:
             self.session.at_function_end.append(self.finish)
@@ -158,6 +159,7 @@ class AutoSave:
             if self.rank == 0:
                 self._published(final, steps, started, stopping)
         self._saved_steps = steps
+        self.saves.append(steps)
         self.agreement.saved(steps)
         return self.local_root / f"state-{name}"
 

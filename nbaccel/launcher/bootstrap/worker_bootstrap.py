@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from nbaccel.events import (
 )
 from nbaccel.frames import EventWriter
 from nbaccel.hardware.xla_plan import XlaPlan
-from nbaccel.launcher.bootstrap import pickling, script
+from nbaccel.launcher.bootstrap import compile_cache, pickling, script
 from nbaccel.launcher.bootstrap.payload import read_payload
 from nbaccel.launcher.debug.rank_channel import RankDebugger
 from nbaccel.launcher.sharing.late_check import await_check
@@ -98,10 +99,16 @@ def run_payload(
         session = WorkerSession(
             context=context, config=config, events=events, xla=xla, debugger=debugger
         )
+        # torch.compile's caches in the project's folder (not /tmp, lost with the machine);
+        # each checkpoint carries this rank's compiled artifacts, a resume loads them first.
+        session.checkpoint_extras = compile_cache.save_artifacts
+        compile_cache.use_project_caches(config)
         activate(session, per_thread=threaded)
         debugger.install(enabled=config.debugger)
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         start(config)
+        if (resumed := resume_folder(config.resume)) is not None:
+            compile_cache.load_artifacts(resumed, context.rank)
         refs = payload.get("refs", ())
         if payload.get("late"):  # the kernel checks data it kept while we started
             refs, data_fds = await_check(refs, data_fds)
@@ -145,6 +152,18 @@ def run_payload(
         # sys.exit(n) keeps its code, as under torchrun; anything else exits with 1.
         code = getattr(error, "code", 1) if isinstance(error, SystemExit) else 1
         return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+def resume_folder(resume: str) -> Path | None:
+    """The local state folder a launch resumes from (``resume`` as the kernel settled it: a
+    checkpoint root, a state folder, a URL the ranks fetch later, or ``"never"``)."""
+    if resume == "never" or "://" in resume:
+        return None
+    folder = Path(resume)
+    if (folder / "meta.json").exists():
+        return folder
+    latest = folder / "LATEST"
+    return folder / latest.read_text().strip() if latest.exists() else None
 
 
 def post_mortem(debugger: RankDebugger, error: BaseException) -> None:

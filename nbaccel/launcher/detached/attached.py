@@ -61,7 +61,7 @@ class AttachedRun(Run):
     def exit_code(self) -> int | None:
         if not self._state.done:
             return None
-        if self._state is RunState.SUCCEEDED:
+        if self._state in (RunState.SUCCEEDED, RunState.STOPPED):
             return 0
         if self._state is RunState.CANCELLED:
             return 130
@@ -208,6 +208,8 @@ class AttachedRun(Run):
             raise RunCancelled(
                 f"run {self.run_id} was stopped before it finished; it has no result."
             )
+        if state is RunState.STOPPED:
+            return None  # saved and stopped: the checkpoint is the result (resume="auto")
         if rank not in self._results_cache:
             path = self.run_dir / f"result-rank{rank}.pkl"
             self._results_cache[rank] = pickle.loads(path.read_bytes()) if path.exists() else None

@@ -38,7 +38,7 @@ class RunSummary:
 
     @property
     def finished(self) -> bool:
-        return self.state in ("succeeded", "failed", "cancelled", "lost")
+        return self.state in ("succeeded", "failed", "cancelled", "stopped", "lost")
 
 
 class RunsTable(list[RunSummary]):

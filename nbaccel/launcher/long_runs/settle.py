@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from nbaccel.config.resolve import Resolved
-from nbaccel.durable import CheckpointPoint, is_url, newest_complete, newest_of
+from nbaccel.durable import CheckpointPoint, fetch, is_url, newest_complete, newest_of
 from nbaccel.durable.places import local_path
 from nbaccel.durable.staging import checkpoint_places, default_place
 from nbaccel.errors import ConfigError
@@ -43,14 +44,23 @@ def settle(resolved: Resolved, function: Callable[..., Any]) -> tuple[Resolved, 
                 "from the beginning"
             )
         else:
-            resume = found.location
+            resume = _here(found, root, config.hosts)
             notes.append(f"resuming at {found.describe()}")
     elif resume != "never":
         found = _explicit(resume)
-        resume = found.location
+        resume = _here(found, checkpoint_places(place, config.runs_dir)[0], config.hosts)
         notes.append(f"resuming at {found.describe()}")
     changed = config.replace(checkpoint_dir=place, resume=resume)
     return dataclasses.replace(resolved, config=changed), notes
+
+
+def _here(found: CheckpointPoint, root: Path, hosts: tuple[str, ...]) -> str:
+    """Where the ranks load ``found`` from: a durable copy is fetched to this machine's disk
+    now (the ranks are here, and load their compiled artifacts before the function), except
+    for ranks on other machines, which fetch it themselves."""
+    if not is_url(found.location) or hosts:
+        return found.location
+    return str(fetch(found, root / ".fetched"))
 
 
 def _explicit(resume: str) -> CheckpointPoint:

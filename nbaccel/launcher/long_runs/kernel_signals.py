@@ -1,0 +1,76 @@
+"""SIGTERM or SIGUSR1 to the process that launched a run (a kernel, a script) saves it first.
+
+A notebook server shutting a kernel down, a container's stop, a scheduler's notice: they
+signal the launching process, not the ranks, and its workers would die with it unsaved. While
+a run started here is live, ``SaveOnSignal`` answers the signal by asking the run to save
+at a step every rank agrees on and stop (``Run.stop(save=True)``, in a thread: the kernel's
+loop is not held). SIGTERM then goes on to what it did before (the process ends, as asked),
+once the run has ended or its ``checkpoint_grace`` has passed; SIGUSR1 leaves the process up.
+
+Python lets only the main thread set handlers, and the run ends on its pump thread, so a
+handler stays installed after its run: it then hands the signal straight to the one before.
+Runs that overlap chain their handlers, each answering for its own run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any, Protocol
+
+from nbaccel.events import SAVE_AND_STOP_SIGNALS, RunState
+
+
+class Stoppable(Protocol):
+    @property
+    def state(self) -> RunState: ...
+
+    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState: ...
+
+
+class SaveOnSignal:
+    """This process's SIGTERM / SIGUSR1 handler for one run (see the module's docstring)."""
+
+    def __init__(self, run: Stoppable) -> None:
+        self.run = run
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> bool:
+        """Install the handlers; False where Python forbids it (not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for signum in SAVE_AND_STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return True
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous[signum]
+        if self.run.state.done:
+            self._pass_on(signum, previous, frame)
+            return
+        if signum == signal.SIGTERM:
+            # Restored now (only the main thread may): a second SIGTERM acts at once.
+            signal.signal(signum, previous)
+            threading.Thread(target=self._save_then_end, args=(signum,), daemon=True).start()
+        else:
+            threading.Thread(target=self._save, daemon=True).start()
+
+    def _save(self) -> None:
+        try:
+            self.run.stop(save=True)
+        except TimeoutError:
+            pass  # the grace ran out: the run's own escalation ends what is left
+
+    def _save_then_end(self, signum: int) -> None:
+        self._save()
+        os.kill(os.getpid(), signum)  # what the signal would have done, now with a checkpoint
+
+    @staticmethod
+    def _pass_on(signum: int, previous: Any, frame: FrameType | None) -> None:
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
