@@ -37,8 +37,10 @@ def log_metrics(values: Mapping[str, Any], step: int | None = None) -> dict[str,
         step = session.metric_steps if session else 0
     if session is not None:
         session.metric_steps = step + 1
-        rank = session.context.rank
-        session.events.send_batched(Metric(rank, int(step), scalars, time.time()))
+        rank, now = session.context.rank, time.time()
+        if len(session.metric_history) < _HISTORY_LIMIT:
+            session.metric_history.append([int(step), scalars, now])
+        session.events.send_batched(Metric(rank, int(step), scalars, now))
     return {**scalars, "step": int(step)}
 
 
@@ -117,6 +119,7 @@ def compile_seconds() -> float:
         return _compile_clock["before_reset"] + now
 
 
+_HISTORY_LIMIT = 200_000  # metrics a checkpoint carries (~20 MB at most in memory)
 _compile_lock = threading.Lock()  # torch_xla's threaded ranks share the process's figure
 _compile_clock = {"last": 0.0, "before_reset": 0.0}
 
