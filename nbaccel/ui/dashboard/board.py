@@ -77,6 +77,7 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
         model: DashboardModel,
         *,
         stop: Callable[[], None] | None = None,
+        save_stop: Callable[[], None] | None = None,
         stacks: Callable[[], dict[int, str]] | None = None,
         blocking: bool = False,
         rank: int = 0,
@@ -92,15 +93,16 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
     ) -> None:
         self.model = model
         self._stop, self._blocking, self._sampler = stop, blocking, sampler
+        self._save_stop = save_stop  # else found with the run, if launched (clicks.py)
         self._stacks_of = stacks  # Run.stacks, where a click reaches the kernel
         self._text_interval, self._image_interval = text_interval, image_interval
         self._clock, self._wall_clock, self._threaded = clock, wall_clock, threaded
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._rank, self._metric = rank, ""
         self._metric_chosen = False  # the user picked a metric: stop preferring "loss"
-        self._stopping = self._writing = self._ended = self._started = False
+        self._stopping = self._saving = self._writing = self._ended = self._started = False
         self._closed = self._widgets_closed = False
-        self._stop_clicked = False
+        self._stop_clicked = False  # Stop's or Save & stop's: one stop is asked, once
         self._next_text = self._next_image = 0.0
         self._dirty_text = self._dirty_images = True
         self._written: dict[str, Any] = {}  # what each part shows, to skip equal writes
@@ -135,8 +137,9 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
     def build_widgets(self) -> None:
         """Make the widgets (~6 ms in a kernel: a message per widget model) and listen to them."""
         choices, can_stop = self.model.log_choices(), self._stop is not None
+        can_save = self._find_save_stop()
         DashboardWidgets.__init__(
-            self, choices, self._rank, blocking=self._blocking, can_stop=can_stop
+            self, choices, self._rank, blocking=self._blocking, can_stop=can_stop, can_save=can_save
         )
         self.listen()
         self.built = True
@@ -344,8 +347,8 @@ class Dashboard(CellOutput, DashboardWidgets, DashboardClicks, DashboardImages):
                 elif kind == "metric":
                     self._metric, self._metric_chosen = value, True
                     self._dirty_images = True
-                elif kind == "stop":
-                    self._stopping = True
+                elif kind in ("stop", "save_stop"):
+                    self._stopping, self._saving = True, kind == "save_stop"
                 elif kind == "stacks":
                     self.stacks_panel.take(value)
                 elif kind == "compare" and self.earlier is not None:

@@ -1,14 +1,23 @@
 """What the user's clicks and choices on a dashboard do: the log's rank, the metric, the
-runs to compare, Stop and Stacks. Each is queued for the UI thread (``board.Dashboard``,
-whose part this is), which alone writes widgets; Stop and Stacks call the run (Stacks on a
-thread of its own: the ranks may take seconds to answer). A click reaches the kernel only
-while no cell runs: in a blocking call these buttons are disabled.
+runs to compare, Stop, Save & stop and Stacks. Each is queued for the UI thread
+(``board.Dashboard``, whose part this is), which alone writes widgets; Stop, Save & stop and
+Stacks call the run (the stops only ask, and return at once; Stacks on a thread of its own:
+the ranks may take seconds to answer). A click reaches the kernel only while no cell runs:
+in a blocking call these buttons are disabled.
+
+Save & stop asks ``run.stop(save=True)``: every rank saves a checkpoint at a step they all
+agree on, then the run ends (``stopped``, resumable with ``resume="auto"``); the run's Notice
+lines and its end tell how it went. A dashboard is given the request (``save_stop=``) or
+finds its run in the kernel's registry of launched dashboards (``nbaccel.ui.attach``), held
+weakly there as here (``save_stop_for``).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -18,10 +27,13 @@ class DashboardClicks:
     rank_selector: Any
     metric_selector: Any
     stop_button: Any
+    save_stop_button: Any
     stacks_button: Any
     compare: Any
     _writing: bool
     _stop: Callable[[], None] | None
+    _save_stop: Callable[[], None] | None
+    _blocking: bool
     _stop_clicked: bool
     _stacks_of: Callable[[], dict[int, str]] | None
     _thread: threading.Thread | None
@@ -34,6 +46,7 @@ class DashboardClicks:
         self.rank_selector.observe(self._on_rank, names="value")
         self.metric_selector.observe(self._on_metric, names="value")
         self.stop_button.on_click(self._on_stop)
+        self.save_stop_button.on_click(self._on_save_stop)
         self.stacks_button.on_click(self._on_stacks)
         self.compare.observe(self._on_compare, names="value")
 
@@ -61,6 +74,18 @@ class DashboardClicks:
             self._stop()
             self._put(("stop", True), urgent=True)
 
+    def _on_save_stop(self, _button: Any) -> None:
+        if self._save_stop is not None and not self._stop_clicked:
+            self._stop_clicked = True  # one stop, once: as Stop's
+            self._save_stop()  # asks (run.stop(save=True, timeout=0)): the ranks save, then end
+            self._put(("save_stop", True), urgent=True)
+
+    def _find_save_stop(self) -> bool:
+        """Whether Save & stop can work: given, or the launched run's (where Stop works)."""
+        if self._save_stop is None and self._stop is not None and not self._blocking:
+            self._save_stop = save_stop_for(self)  # attach registers it before building
+        return self._save_stop is not None and not self._blocking
+
     def _on_stacks(self, _button: Any) -> None:
         stacks_of = self._stacks_of
         if stacks_of is None:
@@ -74,3 +99,29 @@ class DashboardClicks:
             self._put(("stacks", answer), urgent=True)
 
         threading.Thread(target=ask, name="nbaccel-stacks", daemon=True).start()
+
+
+def save_stop_for(dashboard: object) -> Callable[[], None] | None:
+    """The save-and-stop request of the run that ``dashboard`` was attached to (by
+    ``nbaccel.ui.attach``), or None when it has none (a dashboard built without a run)."""
+    attach = sys.modules.get("nbaccel.ui.attach")  # imported by whoever attached one
+    shown: Mapping[Any, object] | None = getattr(attach, "_dashboards", None)
+    if shown is None:
+        return None
+    for run, attached in list(shown.items()):
+        if attached is dashboard:
+            ref = weakref.ref(run)  # the registry's key: a strong one would keep it forever
+            return lambda: request_save_stop(ref)
+    return None
+
+
+def request_save_stop(ref: Callable[[], Any]) -> None:
+    """Ask the run (if still there) to save and stop; do not wait for it: a click runs on
+    the kernel's main thread, and the run ends on its pump thread."""
+    run = ref()
+    if run is None:
+        return
+    try:
+        run.stop(timeout=0.0, save=True)
+    except TimeoutError:
+        pass  # the ranks are saving: the dashboard shows the end when it comes

@@ -20,15 +20,27 @@ from nbaccel.ui.dashboard.model import (
 
 BLOCKING_NOTE = (
     "Blocking call: to stop the run, interrupt the kernel (■ in the toolbar, or I, I). "
-    "Use nbaccel.launch() for working Stop and Stacks buttons; here a stall warning shows "
-    "every rank's stack."
+    "Use nbaccel.launch() for working Stop, Save & stop and Stacks buttons; here a stall "
+    "warning shows every rank's stack."
+)
+# run.stop(save=True)'s button (clicks.py): every rank saves at one step, then the run ends.
+SAVE_STOP_LABEL = "Save & stop"
+SAVE_STOP_TOOLTIP = (
+    "Every rank saves a checkpoint at the same step, then the run ends; launch again with "
+    "resume='auto' to go on from it"
 )
 # The saved summary keeps the end of the shown rank's log, as a cell that printed would:
 # bounded, since a cell's text is saved into the notebook file (the whole log stays in
 # run.logs(rank) and the run's folder).
 SUMMARY_LOG_LINES = 20
 SUMMARY_LINE_CHARS = 300
-_STATE_COLOURS = {"running": "#1565c0", "succeeded": "#2e7d32", "failed": "#c62828"}
+# "stopped": saved and ended on request (resumable), neither a success nor a failure.
+_STATE_COLOURS = {
+    "running": "#1565c0",
+    "succeeded": "#2e7d32",
+    "failed": "#c62828",
+    "stopped": "#6a1b9a",
+}
 
 
 def clock_text(seconds: float) -> str:
@@ -187,10 +199,17 @@ def _printed(model: DashboardModel, rank: int) -> list[str]:
     return kept
 
 
-def header_html(head: Header, *, stopping: bool) -> str:
-    """The header widget's HTML: the state in colour, then the rest of the line."""
+def header_html(head: Header, *, stopping: bool, saving: bool = False) -> str:
+    """The header widget's HTML: the state in colour, then the rest of the line; a running
+    run asked to stop is "stopping", or "saving" (Save & stop: every rank saves, then ends).
+
+    >>> head = Header("r1", "running", 5.0, None, None, None, None, None, 2, "ddp", "no")
+    >>> header_html(head, stopping=True, saving=True).split("</b>")[0][-6:]
+    'saving'
+    """
     colour = _STATE_COLOURS.get(head.state, "#e65100")
-    state = "stopping" if stopping and head.state == "running" else head.state
+    asked = "saving" if saving else "stopping"
+    state = asked if stopping and head.state == "running" else head.state
     rest = html.escape(header_text(head).split(" · ", 1)[1])
     return (
         f"<div style='font-family:monospace'><b style='color:{colour}'>{state}</b> · {rest} "

@@ -1,8 +1,8 @@
 """The dashboard's widgets and their layout; ``Dashboard`` fills them from a run's events.
 
 Every part carries a CSS class (``nbaccel-dashboard``, ``nbaccel-header``, ``nbaccel-log``,
-``nbaccel-errors``, ``nbaccel-rank``, ``nbaccel-stop``, ``nbaccel-stop-note``,
-``nbaccel-stacks-button``, ``nbaccel-stacks``,
+``nbaccel-errors``, ``nbaccel-rank``, ``nbaccel-stop``, ``nbaccel-save-stop``,
+``nbaccel-stop-note``, ``nbaccel-stacks-button``, ``nbaccel-stacks``,
 ``nbaccel-metric``, ``nbaccel-metric-value``, ``nbaccel-compare``, ``nbaccel-curve``,
 ``nbaccel-curve-legend``, ``nbaccel-memory-text``, ``nbaccel-memory``): a notebook's stored
 widget state lists it in ``_dom_classes``, and a browser test selects by it.
@@ -22,6 +22,8 @@ from nbaccel.ui.dashboard.stacks_panel import BLOCKING_STACKS_NOTE, StacksPanel
 from nbaccel.ui.dashboard.step_panel import StepPanel
 from nbaccel.ui.dashboard.text import (
     BLOCKING_NOTE,
+    SAVE_STOP_LABEL,
+    SAVE_STOP_TOOLTIP,
     errors_html,
     header_html,
     log_html,
@@ -53,15 +55,24 @@ class DashboardWidgets:
     _metric: str
     _metric_chosen: bool
     _stopping: bool
+    _saving: bool  # the stop asked is Save & stop's
     _blocking: bool
     _stop: Callable[[], None] | None
+    _save_stop: Callable[[], None] | None
     _stacks_of: Callable[[], dict[int, str]] | None
     _dirty_text: bool
 
     def __init__(
-        self, choices: list[tuple[str, int]], rank: int, *, blocking: bool, can_stop: bool
+        self,
+        choices: list[tuple[str, int]],
+        rank: int,
+        *,
+        blocking: bool,
+        can_stop: bool,
+        can_save: bool | None = None,
     ) -> None:
-        layout = widgets.Layout
+        can_save = can_stop if can_save is None else can_save
+        layout, button_style = widgets.Layout, widgets.ButtonStyle
         # Every widget made without a layout (and every HTML without a style) gets a model
         # of its own, one message each: the parts that keep the defaults share one, which
         # halves what a dashboard costs to build (52 models → 33; ~4 ms a launch in a kernel).
@@ -82,19 +93,29 @@ class DashboardWidgets:
             ),
             "nbaccel-rank",
         )
+        # The three buttons share one layout and one style (two models, not six).
+        buttons = {"layout": layout(width="auto", min_width="100px"), "style": button_style()}
         self.stop_button = _tagged(
             widgets.Button(
                 description="Stop", icon="stop", button_style="danger",
-                disabled=blocking or not can_stop, layout=layout(width="100px"),
+                disabled=blocking or not can_stop, **buttons,
                 tooltip=BLOCKING_NOTE if blocking else "Stop every worker (graceful)",
             ),
             "nbaccel-stop",
         )  # fmt: skip
+        # run.stop(save=True), where a click reaches the kernel (clicks.py): as Stop.
+        self.save_stop_button = _tagged(
+            widgets.Button(
+                description=SAVE_STOP_LABEL, icon="save", button_style="warning",
+                disabled=blocking or not can_save, **buttons,
+                tooltip=BLOCKING_NOTE if blocking else SAVE_STOP_TOOLTIP,
+            ),
+            "nbaccel-save-stop",
+        )  # fmt: skip
         # Every rank's stack now (Run.stacks), where a click reaches the kernel: as Stop.
         self.stacks_button = _tagged(
             widgets.Button(
-                description="Stacks", icon="list", disabled=blocking or not can_stop,
-                layout=layout(width="100px"),
+                description="Stacks", icon="list", disabled=blocking or not can_stop, **buttons,
                 tooltip=BLOCKING_STACKS_NOTE if blocking else "Show where every rank is now",
             ),
             "nbaccel-stacks-button",
@@ -131,7 +152,13 @@ class DashboardWidgets:
                 [
                     self.header,
                     widgets.HBox(
-                        [self.rank_selector, self.stop_button, self.stacks_button, self.stop_note],
+                        [
+                            self.rank_selector,
+                            self.stop_button,
+                            self.save_stop_button,
+                            self.stacks_button,
+                            self.stop_note,
+                        ],
                         layout=plain,
                     ),
                     self.log,
@@ -158,7 +185,8 @@ class DashboardWidgets:
     @property
     def model_ids(self) -> dict[str, str]:
         """Widget model ids by part, to find them in a notebook's stored widget state."""
-        parts = "widget header rank_selector stop_button stacks_button stacks log errors"
+        parts = "widget header rank_selector stop_button save_stop_button stacks_button stacks"
+        parts += " log errors"
         parts += " metric_selector"
         parts += " metric_value compare curve curve_legend memory_text memory"
         return {part: getattr(self, part).model_id for part in parts.split()}
@@ -167,7 +195,8 @@ class DashboardWidgets:
         """Write the text parts from the model (the UI thread's, once the widgets are built)."""
         model = self.model
         head = model.header(self._wall_clock())
-        self._set("header", self.header, "value", header_html(head, stopping=self._stopping))
+        header = header_html(head, stopping=self._stopping, saving=self._saving)
+        self._set("header", self.header, "value", header)
         self.visible_log = model.tail(self._rank)
         dropped = model.tail_state(self._rank)[1]
         where = whole_log(model, None if self._rank == TOGETHER else self._rank)
@@ -195,18 +224,28 @@ class DashboardWidgets:
             self._set("compare_options", self.compare, "options", tuple(listed))
             self._set("compare_rows", self.compare, "rows", min(max(len(listed), 1), 5))
             self._set("compare_shown", self.compare.layout, "display", None if listed else "none")
-        done = model.state.done
+        self._write_buttons(model.state.done)
+        self._dirty_text = False
+
+    def _write_buttons(self, done: bool) -> None:
+        """Stop, Save & stop and Stacks: armed while the run goes on and no stop was asked
+        (in a launch() dashboard); the asked one says so until the run ends, then "Ended"."""
         inert = done or self._stopping or self._blocking or self._stop is None
         self._set("stop_disabled", self.stop_button, "disabled", inert)
+        save_inert = inert or self._save_stop is None
+        self._set("save_disabled", self.save_stop_button, "disabled", save_inert)
         stacks_inert = inert or self._stacks_of is None
         self._set("stacks_disabled", self.stacks_button, "disabled", stacks_inert)
         if self._stopping and not done:
-            self._set("stop_label", self.stop_button, "description", "Stopping…")
-        if done:  # nothing left to stop: the button no longer looks armed, nor says how
-            self._set("stop_label", self.stop_button, "description", "Ended")
-            self._set("stop_style", self.stop_button, "button_style", "")
+            if self._saving:  # every rank saves at one step, then ends: Stop stays as it was
+                self._set("save_label", self.save_stop_button, "description", "Saving…")
+            else:
+                self._set("stop_label", self.stop_button, "description", "Stopping…")
+        if done:  # nothing left to stop: the buttons no longer look armed, nor say how
+            for part, button in (("stop", self.stop_button), ("save", self.save_stop_button)):
+                self._set(f"{part}_label", button, "description", "Ended")
+                self._set(f"{part}_style", button, "button_style", "")
             self._set("stop_note", self.stop_note, "value", "")
-        self._dirty_text = False
 
     def _pick_metric(self) -> None:
         """The metric shown: the user's choice, else "loss" once logged, else the first."""
