@@ -348,6 +348,8 @@ class RunPump(StallReports, RestartsSeen):
         limit = self.config.max_duration
         if limit is None or self._arbiter.saving or self._arbiter.cancelled:
             return None
+        if self.config.detach:
+            return None  # the supervisor keeps a detached run's time (supervisor_main.py)
         return self._started + limit
 
     def _select_timeout(self) -> float | None:

@@ -21,6 +21,7 @@ from typing import Any
 from nbaccel.events import DeviceMemory, Event
 from nbaccel.launcher.run import Run
 from nbaccel.ui.dashboard.board import Dashboard
+from nbaccel.ui.dashboard.clicks import request_save_stop
 from nbaccel.ui.dashboard.memory import MemorySampler, ReportedMemory, memory_source
 from nbaccel.ui.dashboard.model import TOGETHER, DashboardModel
 from nbaccel.ui.dashboard.plot_pool import PlotPool
@@ -95,6 +96,7 @@ def subscribe_dashboard(
     dashboard = Dashboard(
         model,
         stop=None if blocking else lambda: _request_stop(ref),
+        save_stop=None if blocking else lambda: request_save_stop(ref),
         stacks=None if blocking else lambda: _stacks_now(ref),
         blocking=blocking,
         rank=TOGETHER if together else (first if first in run.ranks else run.ranks[0]),

@@ -160,7 +160,7 @@ def test_a_rank_that_always_fails_uses_up_the_restarts_and_ends_the_run(
     assert str(caught.value) == (
         "[rank 1 in attempt 2 of 2, after 1 restart] shard 3 is corrupt (attempt 1)"
     )
-    [run_dir] = (tmp_path / "runs").iterdir()
+    [run_dir] = [p.parent for p in (tmp_path / "runs").glob("*/config.json")]
     records = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
     assert [r["attempt"] for r in records if r["event"] == "restarted"] == [1]
     assert records[-1] == {**records[-1], "event": "ended", "state": "failed"}

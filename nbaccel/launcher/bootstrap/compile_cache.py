@@ -73,8 +73,8 @@ MAGIC = b"nbaccel-compile-artifacts 1\n"
 CODECACHE = "torch._inductor.codecache"  # fixes its precompiled headers' folder at import
 
 
-def cache_folder(config: Config) -> Path:
-    """The project's compile-cache folder, absolute, created (0700) if missing.
+def cache_folder(config: Config, *, create: bool = True) -> Path:
+    """The project's compile-cache folder, absolute, created (0700) if missing and ``create``.
 
     ``config.dynamo.cache_dir``, or ``<runs_dir>/compile_cache`` when it is empty; a
     relative path is taken from the working directory (a worker runs in the launching
@@ -94,9 +94,10 @@ def cache_folder(config: Config) -> Path:
     """
     chosen = config.dynamo.cache_dir or os.path.join(config.runs_dir, DEFAULT_FOLDER)
     folder = Path(chosen).expanduser().absolute()
-    # Compiled code is run from here: only its owner may write it (torch and Triton load
-    # what they find as trusted).
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if create:
+        # Compiled code is run from here: only its owner may write it (torch and Triton load
+        # what they find as trusted).
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     return folder
 
 
@@ -116,7 +117,12 @@ def use_project_caches(config: Config) -> Path:
     a shell would need quoted ("My Drive/...") fails every CPU compile; such a folder is
     reached through a private link of plain name in the temp dir (``shell_safe``).
     """
-    folder = cache_folder(config)
+    # Made when something compiles (Inductor makes its folder), not by every launch: a
+    # run that compiles nothing leaves nothing, in runs_dir or elsewhere. A folder reached
+    # through a link must exist for the link to lead somewhere.
+    folder = cache_folder(config, create=False)
+    if shlex.quote(str(folder)) != str(folder):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     _use_xla_cache(folder / "xla")  # torch_xla takes the path as it is
     reachable = shell_safe(folder)
     if reachable is None:

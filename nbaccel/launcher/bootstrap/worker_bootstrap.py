@@ -125,7 +125,10 @@ def run_payload(
         except TrainingStopped as stopped:  # every rank saved at the same step: a clean end
             steps, where = stopped.completed_steps, stopped.checkpoint_dir
             events.send(RankStopped(context.rank, steps, where, stopped.why, time.time()))
-            finish(b"")
+            # No value to share (what ``finish`` may do first): only keep rank 0's store up
+            # until every peer is through, as ``finish`` does.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.barrier()
             return 0
         for at_end in session.at_function_end:  # the last background save finishes
             at_end()

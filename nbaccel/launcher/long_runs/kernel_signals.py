@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 from types import FrameType
 from typing import Any, Protocol
 
@@ -34,20 +35,34 @@ class SaveOnSignal:
     """This process's SIGTERM / SIGUSR1 handler for one run (see the module's docstring)."""
 
     def __init__(self, run: Stoppable) -> None:
-        self.run = run
+        # Weakly: a handler outlives its run, which must not keep the run (its result
+        # buffers, its pipes) alive.
+        self._run = weakref.ref(run)
         self._previous: dict[int, Any] = {}
 
+    @property
+    def live(self) -> bool:
+        run = self._run()
+        return run is not None and not run.state.done
+
     def install(self) -> bool:
-        """Install the handlers; False where Python forbids it (not the main thread)."""
+        """Install the handlers; False where Python forbids it (not the main thread).
+        Handlers of runs that have ended are dropped from the chain here."""
         if threading.current_thread() is not threading.main_thread():
             return False
         for signum in SAVE_AND_STOP_SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._on_signal)
+            previous = signal.getsignal(signum)
+            while isinstance(owner := getattr(previous, "__self__", None), SaveOnSignal):
+                if owner.live:
+                    break
+                previous = owner._previous[signum]
+            self._previous[signum] = previous
+            signal.signal(signum, self._on_signal)
         return True
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous[signum]
-        if self.run.state.done:
+        if not self.live:
             self._pass_on(signum, previous, frame)
             return
         if signum == signal.SIGTERM:
@@ -58,8 +73,11 @@ class SaveOnSignal:
             threading.Thread(target=self._save, daemon=True).start()
 
     def _save(self) -> None:
+        run = self._run()
+        if run is None:
+            return
         try:
-            self.run.stop(save=True)
+            run.stop(save=True)
         except TimeoutError:
             pass  # the grace ran out: the run's own escalation ends what is left
 

@@ -50,7 +50,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
-from nbaccel.events import STACK_DUMP_SIGNAL
+from nbaccel.events import SAVE_AND_STOP_SIGNALS, STACK_DUMP_SIGNAL
 from nbaccel.frames import FrameDecoder, encode_frame
 from nbaccel.launcher import control
 from nbaccel.launcher.remote.worker_streams import READ_SIZE, everything, read_hello, whole_frames
@@ -357,8 +357,22 @@ def _as_it_was(env: dict[str, str], cwd: str) -> None:
     os.chdir(cwd)
 
 
+def _save_and_stop(signum: int, frame: object) -> None:
+    """SIGTERM or SIGUSR1 to the agent (a scheduler's notice for this host): its ranks are
+    asked to save at a step every rank agrees on and stop, as a signal to a rank does; the
+    launch then ends as ``stopped`` and the agent serves on until the kernel lets it go."""
+    with _current_lock:
+        links = _current
+    if links is not None:
+        if links.max_restarts:
+            links.stop_restarts()  # a save-and-stop is an end, not a failure to restart
+        links.signal(int(signal.SIGTERM), None, group=False)
+
+
 def main() -> int:
     channel = Channel()
+    for signum in SAVE_AND_STOP_SIGNALS:
+        signal.signal(signum, _save_and_stop)
     try:
         starts: queue.Queue[tuple[dict[str, Any], WorkerLinks]] = queue.Queue()
         # The kernel's channel is read from now on, before torch is imported (1-3 s, longer

@@ -231,6 +231,12 @@ def run_host(
     # a free port, it would listen on every interface); rank 0 of each attempt serves theirs
     # at its MASTER_ADDR (agent_worker). The static rendezvous always shares its own store.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # elastic would take SIGTERM over as its agent's death (workers SIGTERMed, killed 30 s
+    # later, the launch failed): the agent answers it by saving (agent_main), so elastic is
+    # left the other signals (its LaunchConfig field, where this torch has it).
+    keep_sigterm: dict[str, Any] = {"signals_to_handle": "SIGINT,SIGHUP,SIGQUIT"}
+    if "signals_to_handle" not in getattr(LaunchConfig, "__dataclass_fields__", {}):
+        keep_sigterm = {}
     if backend == "static":
         # Launches without restarts: torch's static rendezvous, where node_rank (not the
         # order of arrival) places the machine. A job whose machines each launch from their
@@ -252,6 +258,7 @@ def run_host(
         start_method="fork",
         local_addr=start["local_addr"],  # None: this host's name, as torchrun
         logs_specs=DefaultLogsSpecs(log_dir=elastic_dir, redirects=Std.NONE, tee=Std.NONE),
+        **keep_sigterm,
     )
     served = None
     try:

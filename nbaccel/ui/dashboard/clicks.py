@@ -14,10 +14,8 @@ weakly there as here (``save_stop_for``).
 
 from __future__ import annotations
 
-import sys
 import threading
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 
@@ -81,9 +79,7 @@ class DashboardClicks:
             self._put(("save_stop", True), urgent=True)
 
     def _find_save_stop(self) -> bool:
-        """Whether Save & stop can work: given, or the launched run's (where Stop works)."""
-        if self._save_stop is None and self._stop is not None and not self._blocking:
-            self._save_stop = save_stop_for(self)  # attach registers it before building
+        """Whether Save & stop can work: given (a launched run's), and a click reaches it."""
         return self._save_stop is not None and not self._blocking
 
     def _on_stacks(self, _button: Any) -> None:
@@ -99,20 +95,6 @@ class DashboardClicks:
             self._put(("stacks", answer), urgent=True)
 
         threading.Thread(target=ask, name="nbaccel-stacks", daemon=True).start()
-
-
-def save_stop_for(dashboard: object) -> Callable[[], None] | None:
-    """The save-and-stop request of the run that ``dashboard`` was attached to (by
-    ``nbaccel.ui.attach``), or None when it has none (a dashboard built without a run)."""
-    attach = sys.modules.get("nbaccel.ui.attach")  # imported by whoever attached one
-    shown: Mapping[Any, object] | None = getattr(attach, "_dashboards", None)
-    if shown is None:
-        return None
-    for run, attached in list(shown.items()):
-        if attached is dashboard:
-            ref = weakref.ref(run)  # the registry's key: a strong one would keep it forever
-            return lambda: request_save_stop(ref)
-    return None
 
 
 def request_save_stop(ref: Callable[[], Any]) -> None:

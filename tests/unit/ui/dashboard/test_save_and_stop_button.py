@@ -25,7 +25,7 @@ from nbaccel.events import Notice, RunEnded, RunStarted, RunState
 from nbaccel.launcher.run import Run
 from nbaccel.ui.attach import attach_dashboard
 from nbaccel.ui.dashboard.board import Dashboard
-from nbaccel.ui.dashboard.clicks import request_save_stop, save_stop_for
+from nbaccel.ui.dashboard.clicks import request_save_stop
 from nbaccel.ui.dashboard.model import DashboardModel
 from nbaccel.ui.dashboard.text import BLOCKING_NOTE, SAVE_STOP_TOOLTIP, summary_text
 
@@ -159,7 +159,7 @@ def test_a_launched_dashboard_asks_its_run_to_save_without_waiting_and_holds_it_
     # The request holds the run weakly: a dropped run is freed, and asking it does nothing.
     other = FakeRun()
     other_dash = attach_dashboard(other, blocking=False, gpus=0)  # type: ignore[arg-type]
-    ask = save_stop_for(other_dash)
+    ask = other_dash._save_stop
     assert ask is not None
     ref = weakref.ref(other)
     del other
