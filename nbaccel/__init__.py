@@ -32,6 +32,7 @@ from nbaccel.ui.kernel import in_kernel as _in_kernel
 
 if _TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.accel import Accelerator
+    from nbaccel.accel.autosave.save_due import save_due
     from nbaccel.accel.data.skip_batches import skip_first_batches
     from nbaccel.accel.partial_state import AcceleratorState, PartialState
     from nbaccel.accel.refusals import (
@@ -88,6 +89,7 @@ _LAZY = {
     "debug_launcher": "nbaccel.launching",
     "launch": "nbaccel.launching",
     "log_metrics": "nbaccel.metrics",
+    "save_due": "nbaccel.accel.autosave.save_due",
     "notebook_launcher": "nbaccel.launching",
     "resolve": "nbaccel.config.resolve",
     "runs": "nbaccel.detached_runs",
@@ -195,6 +197,7 @@ __all__ = [
     "prepare_pippy",
     "resolve",
     "runs",
+    "save_due",
     "skip_first_batches",
     "synchronize_rng_states",
 ]

@@ -77,6 +77,10 @@ class WorkerSession:
     # (torch.compile's artifacts); functions run when the user's function has returned.
     checkpoint_extras: Any = None
     at_function_end: list[Any] = field(default_factory=list)
+    # nbaccel.save_due()'s per-launch state, and the stop it agreed (steps, where, why):
+    # the function's return then ends the rank as stopped.
+    loop_state: Any = None
+    stop_agreed: tuple[int, str, str] | None = None
 
 
 _active: WorkerSession | None = None

@@ -243,3 +243,105 @@ def test_save_and_stop_of_a_loop_without_steps_ends_it_at_once(runs_dir: str) ->
     # No loop to answer: SIGTERM ends the ranks as it always did, nothing was saved.
     assert state is RunState.CANCELLED and time.monotonic() - started < 30
     assert run.saved_step is None
+
+
+def plain_loop(total: int, folder: str, signal_at: int = -1) -> dict[str, Any]:
+    """A loop with its own DDP and torch.save, asking nbaccel.save_due() each step."""
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    saved: list[int] = []
+    for step in range(1, total + 1):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if dist.get_rank() == 1 and step == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        due = nbaccel.save_due()
+        assert due.step == step
+        if due.save:
+            saved.append(step)
+            if dist.get_rank() == 0:
+                torch.save(model.state_dict(), Path(folder) / f"model-{step}.pt")
+        if due.stop:
+            break
+    return {"saved": saved}
+
+
+def test_a_loop_without_the_accelerator_asks_save_due_and_stops_on_a_signal(
+    tmp_path: Path, runs_dir: str
+) -> None:
+    options = {"num_processes": 2, "dashboard": "text", "runs_dir": runs_dir}
+    periodic = nbaccel.launch(
+        plain_loop, args=(300, str(tmp_path)), checkpoint_every="50 steps", **options
+    )
+    results = periodic.results(timeout=200)
+    assert results[0]["saved"] == results[1]["saved"] == [50, 100, 150, 200, 250, 300]
+    assert (tmp_path / "model-300.pt").exists()
+
+    stopped = nbaccel.launch(plain_loop, args=(10**6, str(tmp_path), 20), **options)
+    assert stopped.wait(200) is RunState.STOPPED and stopped.exit_code == 0
+    stops = {(e["rank"], e["step"]) for e in events(stopped, "stopped")}
+    assert {rank for rank, _ in stops} == {0, 1} and len({s for _, s in stops}) == 1
+    assert stopped.saved_step is not None and stopped.saved_step >= 20
+
+
+def compiled_train(total: int, signal_at: int = -1) -> dict[str, int]:
+    """A torch.compile'd model under the Accelerator; the fx graph cache's hits and misses."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    acc = nbaccel.Accelerator()
+    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8))
+    model, optimizer, loader = acc.prepare(
+        model, optimizer, torch.utils.data.DataLoader(data, batch_size=8)
+    )
+    while acc.completed_steps < total:
+        for (x,) in loader:
+            acc.backward(model(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            if acc.completed_steps == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if acc.completed_steps >= total:
+                break
+    return {
+        "hits": counters["inductor"]["fxgraph_cache_hit"],
+        "misses": counters["inductor"]["fxgraph_cache_miss"],
+    }
+
+
+@pytest.mark.slow
+def test_a_resume_on_a_fresh_cache_folder_compiles_from_the_checkpoints_artifacts(
+    tmp_path: Path, runs_dir: str
+) -> None:
+    options = {"num_processes": 1, "dashboard": "text", "runs_dir": runs_dir}
+    checkpoints = str(tmp_path / "ckpt")
+    first = nbaccel.launch(
+        compiled_train,
+        args=(10**6, 3),
+        checkpoint_dir=checkpoints,
+        dynamo_cache_dir=str(tmp_path / "machine-a"),
+        **options,
+    )
+    assert first.wait(280) is RunState.STOPPED
+    assert (latest_state(Path(checkpoints)) / "compile" / "rank0.bin").is_file()
+    # The machine is gone: a new, empty cache folder; the artifacts come with the checkpoint.
+    second = nbaccel.launch(
+        compiled_train,
+        args=(first.saved_step + 2,),
+        checkpoint_dir=checkpoints,
+        resume="auto",
+        dynamo_cache_dir=str(tmp_path / "machine-b"),
+        **options,
+    )
+    counts = second.result(timeout=280)
+    assert counts["hits"] > 0 and counts["misses"] == 0
+    assert "skipped" not in second.logs(0)

@@ -125,13 +125,15 @@ def run_payload(
         except TrainingStopped as stopped:  # every rank saved at the same step: a clean end
             steps, where = stopped.completed_steps, stopped.checkpoint_dir
             events.send(RankStopped(context.rank, steps, where, stopped.why, time.time()))
-            # No value to share (what ``finish`` may do first): only keep rank 0's store up
-            # until every peer is through, as ``finish`` does.
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.barrier()
+            _barrier()
             return 0
         for at_end in session.at_function_end:  # the last background save finishes
             at_end()
+        if session.stop_agreed is not None:  # nbaccel.save_due() said stop: it returned
+            steps, where, why = session.stop_agreed
+            events.send(RankStopped(context.rank, steps, where, why, time.time()))
+            _barrier()
+            return 0
         if box is None:
             packed = Packed(dump_result(context.rank, value))
         else:
@@ -155,6 +157,13 @@ def run_payload(
         # sys.exit(n) keeps its code, as under torchrun; anything else exits with 1.
         code = getattr(error, "code", 1) if isinstance(error, SystemExit) else 1
         return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+def _barrier() -> None:
+    """A stopped rank has no value to share (what ``finish`` may do first): it only keeps
+    rank 0's store up until every peer is through, as ``finish`` does."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def resume_folder(resume: str) -> Path | None:
