@@ -62,7 +62,9 @@ def train(total: int, slow_rank: int = -1, signal_at: int = -1, signum: int = 15
                 os.kill(os.getpid(), signum)
             if acc.completed_steps >= total:
                 break
-    params = [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+    # FSDP's parameters are shards (DTensors): gathered whole (every rank takes part).
+    params = acc.unwrap_model(model).parameters()
+    params = [getattr(p, "full_tensor", p.detach)().detach().clone() for p in params]
     return {
         "params": params,
         "first": first,
@@ -122,6 +124,28 @@ def test_a_signal_to_one_rank_saves_every_rank_at_one_step_and_resume_continues_
     # The curve goes on: the saved metrics came back first, then the new ones.
     steps = [m["step"] for m in resumed.metrics]
     assert steps == sorted(steps) and steps[0] <= 2 and steps[-1] == 300
+
+
+def test_fsdp_saves_in_the_loop_at_the_agreed_step_and_resumes_exactly(
+    tmp_path: Path, runs_dir: str
+) -> None:
+    # Sharded state saves through DCP in the training loop (not in the background).
+    options = {"num_processes": 2, "dashboard": "text", "runs_dir": runs_dir, "strategy": "fsdp"}
+    reference = nbaccel.launch(train, args=(200,), **options).result(timeout=240)
+    checkpoints = str(tmp_path / "ckpt")
+    first = nbaccel.launch(
+        train, args=(200, 1, 30), checkpoint_dir=checkpoints, checkpoint_every="10 steps", **options
+    )
+    assert first.wait(240) is RunState.STOPPED
+    saved = [e["completed_steps"] for e in events(first, "checkpoint")]
+    assert saved[:3] == [10, 20, 30] and saved[-1] == first.saved_step
+    assert (latest_state(Path(checkpoints)) / "sharded").is_dir()
+    resumed = nbaccel.launch(
+        train, args=(200,), checkpoint_dir=checkpoints, resume="auto", **options
+    )
+    value = resumed.result(timeout=240)
+    assert value["first"] == first.saved_step
+    assert same(value["params"], reference["params"])
 
 
 def test_periodic_saves_land_on_the_same_step_on_ranks_of_different_speeds(
