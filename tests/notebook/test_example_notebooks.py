@@ -67,6 +67,7 @@ def test_notebooks_folder_has_examples() -> None:
         "07_long_runs",
         "08_interactive",
         "09_debugging",
+        "10_survive_the_machine",
     }, names
 
 
@@ -645,6 +646,44 @@ def _check_debugging(widgets: Widgets, cells: Any, folder: Path) -> None:
     assert widgets.state[stall["stacks-button"]]["state"]["disabled"]  # a blocking cell
 
 
+def _check_survive_the_machine(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    # run.stop(save=True): every rank saved at one step, the run is stopped (not failed).
+    stop = cells.stream(cells.cell(nb, "stop"))
+    found = re.fullmatch(r"RunState.STOPPED at step (\d+)\n", stop)
+    assert found, stop
+    saved = int(found[1])
+    assert 0 < saved < 400, saved  # stopped while stepping, not after the loop ended
+    stopped, _ = _summary(cells.cell(nb, "launch"))
+    assert ": stopped · " in stopped.splitlines()[0], stopped
+    assert f"saved at step {saved:,} in " in stopped, stopped
+    assert "launch again with resume='auto' to go on" in stopped, stopped
+    assert widgets.text(widgets.dashboard("launch")["header"]).startswith("stopped")
+    # The same launch with resume="auto" went on from exactly the saved step to the end.
+    resume = cells.cell(nb, "resume")
+    result = ast.literal_eval(cells.result(resume))
+    assert result["first_step"] == saved and result["completed_steps"] == 400, (saved, result)
+    dashboard = _assert_live_dashboard(widgets, resume, min_frames=1, memory=False)
+    text, _ = _summary(resume)
+    assert f"resuming at step {saved:,} from " in text, text
+    assert f"nbaccel: resuming at step {saved:,} from " in widgets.text(dashboard["log"])
+    printed = cells.stream(resume)
+    assert f"stopped at step {saved}, resumed at step {saved}, finished at step 400" in printed
+    curve = re.search(r"the loss curve goes on from step (\d+)", printed)
+    assert curve and int(curve[1]) <= saved, printed  # the curve came back with the checkpoint
+    # The durable copy (a folder outside runs_dir/checkpoints): the 2 newest periodic saves
+    # of the resumed run, each verified against its manifest, LATEST naming the newest.
+    listed = ast.literal_eval(cells.result(cells.cell(nb, "files")))
+    durable = folder / "nbaccel_runs" / "10_survive_the_machine" / "my_drive"
+    assert sorted(p.name for p in durable.iterdir()) == listed, listed
+    assert listed[0] == "LATEST" and [int(name.split("-")[1]) for name in listed[1:]] == [
+        200,
+        300,
+    ], listed
+    assert (durable / "LATEST").read_text().strip() == listed[-1]
+    assert all((durable / name / "MANIFEST.json").is_file() for name in listed[1:])
+
+
 CONTENT_CHECKS = {
     "01_quickstart_cpu.ipynb": _check_quickstart,
     "02_config_panel.ipynb": _check_config_panel,
@@ -654,4 +693,5 @@ CONTENT_CHECKS = {
     "07_long_runs.ipynb": _check_long_runs,
     "08_interactive.ipynb": _check_interactive,
     "09_debugging.ipynb": _check_debugging,
+    "10_survive_the_machine.ipynb": _check_survive_the_machine,
 }
