@@ -88,6 +88,7 @@ class RunPump(StallReports, RestartsSeen):
     _xla: XlaPlan | None
     _state: RunState
     _stopped: RankStopped | None
+    _stop_reason: str | None  # who asked the ranks to save and stop, when it was asked here
     _subscribers: list[Subscriber]
     _metrics: deque[dict[str, Any]]
     _metrics_seen: int
@@ -283,6 +284,8 @@ class RunPump(StallReports, RestartsSeen):
         if op in ("stall", "watch_stalls", "notice"):
             self._on_stall_message(message)
         elif op == "stop" and message.get("save"):
+            # What the ranks see is a SIGTERM: the end says who asked for it.
+            self._stop_reason = self._stop_reason or message.get("why", "run.stop(save=True)")
             self._arbiter.save_and_stop(time.monotonic(), self.config.checkpoint.grace)
         elif op == "stop":
             self._arbiter.cancel(time.monotonic())
@@ -336,6 +339,7 @@ class RunPump(StallReports, RestartsSeen):
         if deadline is not None and time.monotonic() >= deadline and not self._arbiter.saving:
             limit = self.config.max_duration
             self._emit(Notice(f"max_duration={limit:g} s passed: saving and stopping", time.time()))
+            self._stop_reason = self._stop_reason or f"max_duration={limit:g} s"
             self._arbiter.save_and_stop(time.monotonic(), self.config.checkpoint.grace)
         self._check_stall(live, time.monotonic())
         everyone_exited = not live
@@ -401,6 +405,9 @@ class RunPump(StallReports, RestartsSeen):
         self._done.set()
 
     def _say_stopped(self, stopped: RankStopped) -> None:
+        if self._stop_reason:
+            stopped = dataclasses.replace(stopped, why=self._stop_reason)
+            self._stopped = stopped
         killed = [r.rank for r in self._ranks.values() if not r.stopped]
         if killed:  # they did not reach the save in the grace: the checkpoint may lack them
             self._emit(

@@ -85,6 +85,7 @@ class Run(RunStart):
         self._arbiter = Arbiter()
         self._drain_deadline: float | None = None
         self._stopped = None  # the RankStopped that a save-and-stop ended the run with
+        self._stop_reason = None
         self._error: BaseException | None = None
         self._results_cache: dict[int, Any] = {}
         self._started = time.monotonic()
@@ -233,17 +234,20 @@ class Run(RunStart):
             self.wait(timeout)
             return {r.rank: self._value(r.rank, None) for r in self._ranks.values()}
 
-    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState:
+    def stop(
+        self, timeout: float | None = None, *, save: bool = False, why: str | None = None
+    ) -> RunState:
         """Stop every worker and its children: SIGINT, then SIGTERM, then SIGKILL.
 
         ``save=True``: every rank saves at a step they agree on, then ends (the run is
         ``stopped``, resumable with ``resume="auto"``); ranks that cannot save within
         ``checkpoint_grace`` are ended. ``timeout`` defaults to 10 s (the grace and 10 s).
+        ``why``: what the run's end says asked for the save (default ``run.stop(save=True)``).
         """
         if timeout is None:
             timeout = 10.0 + (self.config.checkpoint.grace if save else 0.0)
         if not self._done.is_set():
-            self._post({"op": "stop", "save": save})
+            self._post({"op": "stop", "save": save, "why": why or "run.stop(save=True)"})
         return self._await_end(timeout)
 
     @property

@@ -77,7 +77,9 @@ class AttachedRun(Run):
         self.wait(timeout)
         return {rank: self._value(rank, None) for rank in range(self.world_size)}
 
-    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState:
+    def stop(
+        self, timeout: float | None = None, *, save: bool = False, why: str | None = None
+    ) -> RunState:
         """Stop every worker of the run, wherever it was launched from (``save=True``: each
         rank saves at a step they agree on first, as ``Run.stop`` says)."""
         if timeout is None:

@@ -84,8 +84,9 @@ def _supervise(
         print(f"nbaccel: max_duration={max_duration:g} s passed: saving and stopping", flush=True)
     elif sigterm.is_set():
         print("nbaccel: asked to stop: saving and stopping the run", flush=True)
+    why = "SIGTERM or SIGUSR1 to the supervisor" if sigterm.is_set() else "max_duration"
     try:
-        run.stop(save=True)
+        run.stop(save=True, why=why)
     except TimeoutError:
         run.stop(timeout=60)
 

@@ -28,7 +28,9 @@ class Stoppable(Protocol):
     @property
     def state(self) -> RunState: ...
 
-    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState: ...
+    def stop(
+        self, timeout: float | None = None, *, save: bool = False, why: str | None = None
+    ) -> RunState: ...
 
 
 class SaveOnSignal:
@@ -70,19 +72,19 @@ class SaveOnSignal:
             signal.signal(signum, previous)
             threading.Thread(target=self._save_then_end, args=(signum,), daemon=True).start()
         else:
-            threading.Thread(target=self._save, daemon=True).start()
+            threading.Thread(target=self._save, args=(signum,), daemon=True).start()
 
-    def _save(self) -> None:
+    def _save(self, signum: int) -> None:
         run = self._run()
         if run is None:
             return
         try:
-            run.stop(save=True)
+            run.stop(save=True, why=f"{signal.Signals(signum).name} to the launching process")
         except TimeoutError:
             pass  # the grace ran out: the run's own escalation ends what is left
 
     def _save_then_end(self, signum: int) -> None:
-        self._save()
+        self._save(signum)
         os.kill(os.getpid(), signum)  # what the signal would have done, now with a checkpoint
 
     @staticmethod

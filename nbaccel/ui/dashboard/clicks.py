@@ -104,6 +104,6 @@ def request_save_stop(ref: Callable[[], Any]) -> None:
     if run is None:
         return
     try:
-        run.stop(timeout=0.0, save=True)
+        run.stop(timeout=0.0, save=True, why="the dashboard's Save & stop")
     except TimeoutError:
         pass  # the ranks are saving: the dashboard shows the end when it comes

@@ -21,7 +21,9 @@ class FakeRun:
         self.asked = threading.Event()
         self.saves: list[bool] = []
 
-    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState:
+    def stop(
+        self, timeout: float | None = None, *, save: bool = False, why: str | None = None
+    ) -> RunState:
         self.saves.append(save)
         self.state = RunState.STOPPED
         self.asked.set()

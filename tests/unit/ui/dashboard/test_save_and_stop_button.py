@@ -143,7 +143,9 @@ class FakeRun:
     def subscribe(self, subscriber: Any) -> None:
         pass
 
-    def stop(self, timeout: float | None = None, *, save: bool = False) -> RunState:
+    def stop(
+        self, timeout: float | None = None, *, save: bool = False, why: str | None = None
+    ) -> RunState:
         self.stops.append((timeout, save))
         raise TimeoutError("still stopping")
 
