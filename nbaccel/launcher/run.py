@@ -24,6 +24,7 @@ from nbaccel.launcher.debug.hub import DebugHub
 from nbaccel.launcher.debug.stacks import STACKS_TIMEOUT
 from nbaccel.launcher.debug.stall import StallWatch
 from nbaccel.launcher.debug.waiting import collect_stacks, serve_pending, wait_serving
+from nbaccel.launcher.long_runs.kernel_signals import SaveOnSignal
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import note_kernel_name
 from nbaccel.launcher.outcome.restarts import Attempts
@@ -86,6 +87,8 @@ class Run(RunStart):
         self._drain_deadline: float | None = None
         self._stopped = None  # the RankStopped that a save-and-stop ended the run with
         self._stop_reason = None
+        # SIGTERM/SIGUSR1 to this process save the run first (installed when it starts)
+        self._save_on_signal = SaveOnSignal(self)
         self._error: BaseException | None = None
         self._results_cache: dict[int, Any] = {}
         self._started = time.monotonic()
@@ -171,6 +174,7 @@ class Run(RunStart):
         """
         if not wait_serving(self._debug, self._console, self._done, timeout):
             raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
+        self._save_on_signal.uninstall()  # ended: this process's handlers as they were
         return self._state
 
     def stacks(self, timeout: float = STACKS_TIMEOUT) -> dict[int, str]:
@@ -260,6 +264,7 @@ class Run(RunStart):
         stopped ranks are ending, not to be typed into."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
+        self._save_on_signal.uninstall()
         return self._state
 
     def _serve_debugger(self) -> None:

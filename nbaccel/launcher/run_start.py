@@ -13,13 +13,13 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from nbaccel.errors import HelperError
 from nbaccel.events import Notice, RunStarted, RunState
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.hub import DebugHub
-from nbaccel.launcher.long_runs.kernel_signals import SaveOnSignal, Stoppable
+from nbaccel.launcher.long_runs.kernel_signals import SaveOnSignal
 from nbaccel.launcher.pump import RunPump
 from nbaccel.launcher.run_folder import private_file
 from nbaccel.launcher.sharing.packing import shared_fds
@@ -31,6 +31,7 @@ class RunStart(RunPump):
 
     notices: list[str]
     _debug: DebugHub | None
+    _save_on_signal: SaveOnSignal  # made by Run.__init__ with the run
 
     def start(
         self,
@@ -89,7 +90,7 @@ class RunStart(RunPump):
         self._debug.start()
         self._state = RunState.RUNNING
         if not self.config.detach:  # a detached run's supervisor answers its own signals
-            SaveOnSignal(cast("Stoppable", self)).install()  # self: the Run this half is of
+            self._save_on_signal.install()
         self._emit(RunStarted(self.run_id, self.world_size, str(self.run_dir), time.time()))
         for text in self.notices:
             self._emit(Notice(text, time.time()))

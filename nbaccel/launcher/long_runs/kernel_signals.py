@@ -7,9 +7,11 @@ at a step every rank agrees on and stop (``Run.stop(save=True)``, in a thread: t
 loop is not held). SIGTERM then goes on to what it did before (the process ends, as asked),
 once the run has ended or its ``checkpoint_grace`` has passed; SIGUSR1 leaves the process up.
 
-Python lets only the main thread set handlers, and the run ends on its pump thread, so a
-handler stays installed after its run: it then hands the signal straight to the one before.
-Runs that overlap chain their handlers, each answering for its own run.
+Python lets only the main thread set handlers, and the run ends on its pump thread: the
+handlers before are put back when the main thread next waits on the ended run
+(``Run.wait``, ``result``, ``stop``), so a launch leaves the process as it found it. Until
+then an ended run's handler hands the signal straight to the one before. Runs that overlap
+chain their handlers, each answering for its own run; ended ones leave the chain.
 """
 
 from __future__ import annotations
@@ -53,17 +55,22 @@ class SaveOnSignal:
         if threading.current_thread() is not threading.main_thread():
             return False
         for signum in SAVE_AND_STOP_SIGNALS:
-            previous = signal.getsignal(signum)
-            while isinstance(owner := getattr(previous, "__self__", None), SaveOnSignal):
-                if owner.live:
-                    break
-                previous = owner._previous[signum]
-            self._previous[signum] = previous
+            self._previous[signum] = _live_or_first(signal.getsignal(signum), signum)
             signal.signal(signum, self._on_signal)
         return True
 
+    def uninstall(self) -> None:
+        """Put back the handlers before, ended runs' skipped (main thread only; elsewhere,
+        and where another handler was set since, nothing changes)."""
+        if threading.current_thread() is not threading.main_thread() or not self._previous:
+            return
+        for signum, previous in self._previous.items():
+            if getattr(signal.getsignal(signum), "__self__", None) is self:
+                signal.signal(signum, _live_or_first(previous, signum))
+        self._previous = {}
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        previous = self._previous[signum]
+        previous = self._previous.get(signum, signal.SIG_DFL)
         if not self.live:
             self._pass_on(signum, previous, frame)
             return
@@ -94,3 +101,12 @@ class SaveOnSignal:
         elif previous == signal.SIG_DFL:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+
+def _live_or_first(handler: Any, signum: int) -> Any:
+    """``handler``, or past the handlers of runs that have ended, the first one before them."""
+    while isinstance(owner := getattr(handler, "__self__", None), SaveOnSignal):
+        if owner.live:
+            break
+        handler = owner._previous.get(signum, signal.SIG_DFL)
+    return handler

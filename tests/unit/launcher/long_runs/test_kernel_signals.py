@@ -72,3 +72,17 @@ def test_not_installed_off_the_main_thread() -> None:
     thread.start()
     thread.join(10)
     assert installed == [False]
+
+
+def test_uninstall_puts_back_what_was_there_past_ended_runs() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    first, second = FakeRun(), FakeRun()
+    one, two = SaveOnSignal(first), SaveOnSignal(second)
+    one.install()
+    two.install()
+    first.state = RunState.SUCCEEDED
+    one.uninstall()  # not the current handler: nothing changes
+    assert getattr(signal.getsignal(signal.SIGUSR1), "__self__", None) is two
+    second.state = RunState.SUCCEEDED
+    two.uninstall()  # past the first run's ended handler, to what was there before both
+    assert signal.getsignal(signal.SIGUSR1) == before
