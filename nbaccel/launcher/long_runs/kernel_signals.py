@@ -65,9 +65,9 @@ class SaveOnSignal:
         if threading.current_thread() is not threading.main_thread() or not self._previous:
             return
         for signum, previous in self._previous.items():
+            # Kept either way: a handler installed over this one may still lead back here.
             if getattr(signal.getsignal(signum), "__self__", None) is self:
                 signal.signal(signum, _live_or_first(previous, signum))
-        self._previous = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous.get(signum, signal.SIG_DFL)

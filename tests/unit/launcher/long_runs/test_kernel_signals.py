@@ -75,7 +75,10 @@ def test_not_installed_off_the_main_thread() -> None:
 
 
 def test_uninstall_puts_back_what_was_there_past_ended_runs() -> None:
-    before = signal.getsignal(signal.SIGUSR1)
+    def before(signum: int, frame: object) -> None:
+        """What the process had before the two runs."""
+
+    signal.signal(signal.SIGUSR1, before)
     first, second = FakeRun(), FakeRun()
     one, two = SaveOnSignal(first), SaveOnSignal(second)
     one.install()
