@@ -154,7 +154,7 @@ def test_periodic_saves_land_on_the_same_step_on_ranks_of_different_speeds(
     checkpoints = tmp_path / "ckpt"
     run = nbaccel.launch(
         train,
-        args=(90, 1),
+        args=(400, 1),  # ~1 s and more: several checks of ~0.2 s each
         num_processes=2,
         dashboard="text",
         runs_dir=runs_dir,
