@@ -331,4 +331,8 @@ class Run(RunStart):
             refs = here.result_refs if here is not None else ()
             box = here.result_map if here is not None else None
             self._results_cache[rank] = load_value(value, refs, box)
+            if here is not None:
+                # The value holds what it needs of the box: the run lets go of the mapping
+                # now, not whenever the garbage collector frees the run (a cycle).
+                here.result_map = None
         return self._results_cache[rank]
