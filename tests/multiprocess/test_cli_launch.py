@@ -144,7 +144,8 @@ def test_two_launchers_as_two_machines(workdir: Path) -> None:
         for rank in (0, 1)
     ]
     outputs = [m.communicate(timeout=200) for m in machines]
-    runs = sorted(p.name.rsplit("-", 1)[-1] for p in (workdir / "nbaccel_runs").iterdir())
+    folders = [p.parent for p in (workdir / "nbaccel_runs").glob("*/config.json")]
+    runs = sorted(p.name.rsplit("-", 1)[-1] for p in folders)
     assert runs == ["m0", "m1"]  # each machine keeps its own logs
     for machine, (_out, err) in zip(machines, outputs, strict=True):
         assert machine.returncode == 0, err  # 0, not 134: no SIGABRT at worker exit

@@ -176,7 +176,7 @@ def test_q_ends_the_run_with_every_rank_gone_and_says_so(session: Session, tmp_p
     while any(psutil.pid_exists(pid) for pid in recorded) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in recorded if psutil.pid_exists(pid)], "a rank outlived q"
-    [run_dir] = runs.iterdir()
+    [run_dir] = [p.parent for p in runs.glob("*/config.json")]  # the run, not caches
     records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert {r["rank"] for r in records if r.get("event") == "exited"} == {0, 1}
 

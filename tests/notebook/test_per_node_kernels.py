@@ -118,7 +118,7 @@ def test_the_same_cell_in_two_kernels_forms_one_job(
             assert (line in text) == (rank in ours), f"machine {machine}, rank {rank}:\n{text}"
     # Each kernel's run folder: its own ranks' logs, and the schema's fields with their source.
     for machine, folder in enumerate(runs):
-        [run_dir] = list(folder.iterdir())
+        [run_dir] = [p.parent for p in folder.glob("*/config.json")]  # the run, not caches
         logs = sorted(p.name for p in run_dir.glob("rank*.log"))
         assert logs == [f"rank{2 * machine}.log", f"rank{2 * machine + 1}.log"], logs
         record = json.loads((run_dir / "config.json").read_text())
