@@ -144,7 +144,8 @@ def test_two_launchers_as_two_machines(workdir: Path) -> None:
         for rank in (0, 1)
     ]
     outputs = [m.communicate(timeout=200) for m in machines]
-    folders = [p.parent for p in (workdir / "nbaccel_runs").glob("*/config.json")]
+    caches = ("compile_cache", "checkpoints")  # beside the runs, not runs
+    folders = [p for p in (workdir / "nbaccel_runs").iterdir() if p.name not in caches]
     runs = sorted(p.name.rsplit("-", 1)[-1] for p in folders)
     assert runs == ["m0", "m1"]  # each machine keeps its own logs
     for machine, (_out, err) in zip(machines, outputs, strict=True):

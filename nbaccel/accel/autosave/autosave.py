@@ -104,7 +104,7 @@ class AutoSave:
             return  # no optimizer step since the last boundary: within accumulation
         self._last_boundary_steps = steps
         if not self._armed:  # from now on a SIGTERM is answered by saving, not by dying
-            self.requests.install()
+            self.requests.install(restartable=self.config.max_restarts > 0)
             self._armed = True
         decision = self.agreement.at_step(steps, stop_asked=self.requests.requested)
         if decision is None:

@@ -52,7 +52,7 @@ class _LoopState:
     def __init__(self, config: Any, world_size: int) -> None:
         self.steps = 0
         self.requests = StopRequests()
-        self.requests.install()
+        self.requests.install(restartable=config.max_restarts > 0)
         self.agreement = StepAgreement(_sum_over_ranks, world_size, cadence.effective(config))
 
 

@@ -39,11 +39,15 @@ class StopRequests:
         if not self.requested:
             self.requested, self.why = True, why
 
-    def install(self) -> None:
-        """Catch SIGTERM and SIGUSR1 from now on (main thread only: Python's rule)."""
+    def install(self, restartable: bool = False) -> None:
+        """Catch SIGTERM and SIGUSR1 from now on (main thread only: Python's rule).
+        ``restartable`` (``max_restarts``): SIGUSR1 only, since torch elastic ends the ranks
+        of a failed attempt with SIGTERM and starts them again."""
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
         for signum in SIGNALS:
+            if restartable and signum == signal.SIGTERM:
+                continue
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:

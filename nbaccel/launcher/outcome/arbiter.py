@@ -70,11 +70,12 @@ class Arbiter:
             self._schedule(STOP_ESCALATION, now)
 
     def save_and_stop(self, now: float, grace: float) -> None:
-        """Ask every rank to save at a step they agree on and stop (SIGTERM, which a rank's
-        loop answers at its next step), then SIGKILL whatever is left after ``grace``."""
+        """Ask every rank to save at a step they agree on and stop (SIGUSR1, which a rank's
+        loop answers at its next step: not SIGTERM, which torch elastic's restarts use to end
+        ranks), then SIGKILL whatever is left after ``grace``."""
         if not self.cancelled and not self.saving and self.culprit is None:
             self.saving = True
-            self._steps = [(now, int(signal.SIGTERM)), (now + grace, int(signal.SIGKILL))]
+            self._steps = [(now, int(signal.SIGUSR1)), (now + grace, int(signal.SIGKILL))]
 
     def due(self, now: float, live: Sequence[int], everyone_exited: bool) -> list[Signal]:
         """Decide the culprit when its time has come; return the signals to send now."""

@@ -366,7 +366,7 @@ def _save_and_stop(signum: int, frame: object) -> None:
     if links is not None:
         if links.max_restarts:
             links.stop_restarts()  # a save-and-stop is an end, not a failure to restart
-        links.signal(int(signal.SIGTERM), None, group=False)
+        links.signal(int(signal.SIGUSR1), None, group=False)  # the ranks' save-and-stop
 
 
 def main() -> int:

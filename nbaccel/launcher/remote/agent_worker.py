@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext
-from nbaccel.events import Rank0Value, WorkerStarted
+from nbaccel.events import SAVE_AND_STOP_SIGNALS, Rank0Value, WorkerStarted
 from nbaccel.frames import EventWriter, encode_frame
 from nbaccel.launcher.bootstrap.memory_reports import report_memory
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio, set_parent_death_signal
@@ -57,6 +57,11 @@ def run_elastic_worker(
     elastic may fork this function again after a restart)."""
     os.setsid()  # a stop from the agent reaches this worker's children too (DataLoader)
     set_parent_death_signal(signal.SIGKILL)  # the agent gone: so are we
+    # Forked from the agent, this process has the agent's handlers: its save-and-stop
+    # forwarding would signal the other ranks, and swallow elastic's SIGTERM of a restart.
+    # A rank's own answers are its loop's (the Accelerator installs them at its first step).
+    for signum in SAVE_AND_STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
     if select.select([stop_fd], [], [], 0)[0]:
         os._exit(STOPPED_EXIT_CODE)
     null = os.open(os.devnull, os.O_RDONLY)
