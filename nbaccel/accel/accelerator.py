@@ -170,7 +170,7 @@ class Accelerator:
         self._checkpoints = Checkpoints(self._prepared, self.gradient_state, self.options.project)
         # Periodic saves, save-and-stop and resume: from the launch's config, not the
         # Accelerator's arguments (the launch decided where checkpoints live).
-        self._autosave = AutoSave(launch, self._checkpoints, self._sum_over_ranks)
+        self._autosave = AutoSave(launch, self._checkpoints)
         self._prepared.boundary = self._autosave.boundary
         self._tracking = Tracking(
             self.config, self.strategy.state, self.wait_for_everyone, self.handlers.profile
@@ -306,21 +306,14 @@ class Accelerator:
         self._autosave.watch_models(self._prepared.models)
         return result[0] if len(result) == 1 else tuple(result)
 
-    @property
-    def completed_steps(self) -> int:
-        """Optimizer steps taken, those before a resume included (restored with the state)."""
-        return self._autosave.completed("completed_steps")
-
-    @property
-    def completed_epochs(self) -> int:
-        """Passes over the first prepared DataLoader finished, those before a resume included."""
-        return self._autosave.completed("completed_epochs")
-
-    def _sum_over_ranks(self, values: list[int]) -> list[int]:
-        if self.num_processes == 1:
-            return values
-        summed = self.strategy.reduce(torch.tensor(values, device=self.device), "sum")
-        return [int(v) for v in summed.tolist()]
+    completed_steps = property(
+        lambda self: self._autosave.completed("completed_steps"),
+        doc="Optimizer steps taken, those before a resume included (restored with the state).",
+    )
+    completed_epochs = property(
+        lambda self: self._autosave.completed("completed_epochs"),
+        doc="Passes over the first prepared DataLoader done, those before a resume included.",
+    )
 
     def prepare_model(
         self,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.config.schema import Config
-from nbaccel.errors import ANOTHER_RANK, HelperError
+from nbaccel.errors import HelperError
 from nbaccel.events import (
     CheckpointSaved,
     DeviceMemory,
@@ -43,7 +43,6 @@ from nbaccel.events import (
     Metric,
     ModelPrepared,
     ModulesImported,
-    Notice,
     OutputMark,
     Rank0Value,
     RankExited,
@@ -62,6 +61,7 @@ from nbaccel.frames import UnreadableFrame
 from nbaccel.hardware.xla_plan import XlaPlan
 from nbaccel.launcher.debug.console import DebugConsole
 from nbaccel.launcher.debug.stall import StallReports
+from nbaccel.launcher.long_runs.saved_stops import SavedStops
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import Failure, build_error, last_output
 from nbaccel.launcher.outcome.restarts import Attempts, RestartsSeen
@@ -77,7 +77,7 @@ DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren
 Subscriber = Callable[[Event], None]
 
 
-class RunPump(StallReports, RestartsSeen):
+class RunPump(StallReports, RestartsSeen, SavedStops):
     """The pump thread's half of ``Run`` (its state is set up by ``Run.__init__``)."""
 
     run_id: str
@@ -87,8 +87,6 @@ class RunPump(StallReports, RestartsSeen):
     ranks: tuple[int, ...]
     _xla: XlaPlan | None
     _state: RunState
-    _stopped: RankStopped | None
-    _stop_reason: str | None  # who asked the ranks to save and stop, when it was asked here
     _subscribers: list[Subscriber]
     _metrics: deque[dict[str, Any]]
     _metrics_seen: int
@@ -256,22 +254,9 @@ class RunPump(StallReports, RestartsSeen):
                 self._rank0_value = message.value
                 keep_in_folder(self.run_dir / "result-rank0.pkl", Packed(message.value))
             case RankStopped():
-                r.stopped = True
-                if self._stopped is None or self._stopped.why == ANOTHER_RANK:
-                    self._stopped = message  # the rank that was asked says why
-                self._record({"event": "stopped", "rank": r.rank, "step": message.completed_steps})
+                self._on_rank_stopped(r, message)
             case CheckpointSaved():
-                record = dataclasses.asdict(message)
-                self._record({"event": "checkpoint", **record})
-                self._emit(message)
-                what = "saved before stopping" if message.stopping else "saved"
-                self._emit(
-                    Notice(
-                        f"checkpoint {what} at step {message.completed_steps:,} "
-                        f"in {message.location} ({message.seconds:.1f} s)",
-                        time.time(),
-                    )
-                )
+                self._on_checkpoint_saved(message)
             case WorkerFailed():
                 self._fail(Failure(r.rank, message.cause, message.time, report=message), r.attempt)
             case ModulesImported() if self._helper is not None:  # for the next launch
@@ -284,9 +269,7 @@ class RunPump(StallReports, RestartsSeen):
         if op in ("stall", "watch_stalls", "notice"):
             self._on_stall_message(message)
         elif op == "stop" and message.get("save"):
-            # What the ranks see is a SIGTERM: the end says who asked for it.
-            self._stop_reason = self._stop_reason or message.get("why", "run.stop(save=True)")
-            self._arbiter.save_and_stop(time.monotonic(), self.config.checkpoint.grace)
+            self._ask_to_save(message.get("why", "run.stop(save=True)"))
         elif op == "stop":
             self._arbiter.cancel(time.monotonic())
         elif op == "exited" and self._xla is not None:
@@ -335,26 +318,13 @@ class RunPump(StallReports, RestartsSeen):
 
     def _tick(self) -> None:
         live = [r.rank for r in self._ranks.values() if r.exitcode is None]
-        deadline = self._max_duration_deadline()
-        if deadline is not None and time.monotonic() >= deadline and not self._arbiter.saving:
-            limit = self.config.max_duration
-            self._emit(Notice(f"max_duration={limit:g} s passed: saving and stopping", time.time()))
-            self._stop_reason = self._stop_reason or f"max_duration={limit:g} s"
-            self._arbiter.save_and_stop(time.monotonic(), self.config.checkpoint.grace)
+        self._check_max_duration(time.monotonic())
         self._check_stall(live, time.monotonic())
         everyone_exited = not live
         for signum, ranks in self._arbiter.due(time.monotonic(), live, everyone_exited):
             if self._helper is not None:
                 # torch_xla's workers share the supervisor's process group: all or none.
                 self._helper.signal(self.run_id, signum, ranks if self._xla is None else None)
-
-    def _max_duration_deadline(self) -> float | None:
-        limit = self.config.max_duration
-        if limit is None or self._arbiter.saving or self._arbiter.cancelled:
-            return None
-        if self.config.detach:
-            return None  # the supervisor keeps a detached run's time (supervisor_main.py)
-        return self._started + limit
 
     def _select_timeout(self) -> float | None:
         stall = self._stall.next_deadline() if self._debug is not None else None
@@ -403,28 +373,6 @@ class RunPump(StallReports, RestartsSeen):
         self._state = state
         self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
         self._done.set()
-
-    def _say_stopped(self, stopped: RankStopped) -> None:
-        if self._stop_reason:
-            stopped = dataclasses.replace(stopped, why=self._stop_reason)
-            self._stopped = stopped
-        killed = [r.rank for r in self._ranks.values() if not r.stopped]
-        if killed:  # they did not reach the save in the grace: the checkpoint may lack them
-            self._emit(
-                Notice(
-                    f"ranks {killed} did not save within checkpoint_grace="
-                    f"{self.config.checkpoint.grace:g} s and were ended",
-                    time.time(),
-                )
-            )
-        self._emit(
-            Notice(
-                f"stopped ({stopped.why}), saved at step {stopped.completed_steps:,} "
-                f"in {stopped.checkpoint_dir}: launch again with resume='auto' to go "
-                "on",
-                time.time(),
-            )
-        )
 
     def _close_everything(self) -> None:
         self._boxes.close()  # ranks that sent no value

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import psutil
@@ -15,7 +14,7 @@ import nbaccel
 from nbaccel.events import RunState
 from tests.multihost.conftest import SshHosts
 from tests.multihost.test_hosts_launch import on_hosts
-from tests.multiprocess.test_long_runs import train
+from tests.multiprocess.test_long_runs import train, wait_until_stepping
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,9 +31,7 @@ def test_sigterm_to_one_hosts_agent_saves_every_rank_at_one_step(
         checkpoint_dir=str(checkpoints),
         **on_hosts(ssh_hosts, tmp_path / "runs"),
     )
-    deadline = time.monotonic() + 150
-    while not run.metrics and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_stepping(run, timeout=150)
     workers = [psutil.Process(pid) for pid in run.worker_pids.values()]
     # A worker is a fork of its host's agent (torch elastic's): one agent per host.
     hosts = list({w.ppid(): psutil.Process(w.ppid()) for w in workers}.values())

@@ -73,6 +73,15 @@ def train(total: int, slow_rank: int = -1, signal_at: int = -1, signum: int = 15
     }
 
 
+def wait_until_stepping(run: Any, timeout: float = 120) -> None:
+    """Until the loop has logged a metric: from then on its ranks answer a stop."""
+    deadline = time.monotonic() + timeout
+    while not run.metrics:
+        assert time.monotonic() < deadline, f"no step logged in {timeout} s"
+        assert not run.state.done, f"the run ended first: {run.state}"
+        time.sleep(0.05)
+
+
 def events(run: Any, kind: str) -> list[dict[str, Any]]:
     lines = (Path(run.run_dir) / "events.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e.get("event") == kind]
@@ -186,9 +195,7 @@ def test_run_stop_save_and_max_duration_save_and_stop_a_kernel_bound_run(
 ) -> None:
     options = {"num_processes": 2, "dashboard": "text", "runs_dir": runs_dir}
     by_hand = nbaccel.launch(train, args=(10**9, 1), checkpoint_dir=str(tmp_path / "a"), **options)
-    deadline = time.monotonic() + 120
-    while not by_hand.metrics and time.monotonic() < deadline:
-        by_hand.wait(0.05) if by_hand.state.done else time.sleep(0.05)
+    wait_until_stepping(by_hand)
     assert by_hand.stop(save=True) is RunState.STOPPED
     step = by_hand.saved_step
     assert step is not None and step > 0
@@ -241,9 +248,7 @@ def test_sigterm_to_a_detached_runs_supervisor_saves_once_and_ends_stopped(
         checkpoint_dir=str(tmp_path / "d"),
     )
     supervisor = psutil.Process(run.supervisor_pid)  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 120
-    while not run.metrics and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until_stepping(run)
     supervisor.send_signal(signal.SIGTERM)  # what Slurm, a spot notice or k8s would send
     assert run.wait(120) is RunState.STOPPED and run.exit_code == 0
     supervisor.wait(timeout=30)

@@ -19,9 +19,10 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from nbaccel.accel.autosave.agreement import StepAgreement
 from nbaccel.accel.autosave.stop_requests import StopRequests
@@ -39,16 +40,14 @@ METRICS_FILE = "metrics.jsonl"
 class AutoSave:
     """Periodic saves and stops for one Accelerator (``checkpoints``: its ``Checkpoints``)."""
 
-    def __init__(
-        self, config: Config, checkpoints: Any, reduce_sum: Callable[[list[int]], list[int]]
-    ):
+    def __init__(self, config: Config, checkpoints: Any) -> None:
         self.config, self.checkpoints = config, checkpoints
         self.gradients = checkpoints.gradients
-        state = checkpoints.prepared.strategy.state
-        self.rank, self.world_size = state.rank, state.world_size
+        self.strategy = checkpoints.prepared.strategy
+        self.rank, self.world_size = self.strategy.state.rank, self.strategy.state.world_size
         self.session = active_session()
         self.cadence = cadences.effective(config)
-        self.agreement = StepAgreement(reduce_sum, self.world_size, self.cadence)
+        self.agreement = StepAgreement(self._sum_over_ranks, self.world_size, self.cadence)
         self.requests = StopRequests()
         self.local_root, self.durable_target = _places(config, self.session)
         self._durable: Any = None
@@ -57,7 +56,6 @@ class AutoSave:
         self._saved_steps = -1
         self._armed = False
         self.pending_resume = None if config.resume == "never" else config.resume
-        self.resumed_from: str | None = None
         self.saves: list[int] = []  # the steps this rank saved at (the same on every rank)
         self._hooks: list[Any] = []  # forward pre-hooks that restore before a first forward
         if self.session is not None:
@@ -114,10 +112,10 @@ class AutoSave:
         if decision.stop:
             self.stop(steps)
 
-    def save(self, steps: int, *, stopping: bool) -> Path | None:
+    def save(self, steps: int, *, stopping: bool) -> None:
         """Save at ``steps`` (every rank calls it at the same step)."""
         if steps == self._saved_steps:
-            return self.local_root / f"state-{self._name(steps)}"
+            return  # saved at this very step already
         self._wait_for_writes()  # one save in flight at most: memory for one snapshot
         name = self._name(steps)
         stateful = self.checkpoints.stateful()
@@ -161,21 +159,17 @@ class AutoSave:
         self._saved_steps = steps
         self.saves.append(steps)
         self.agreement.saved(steps)
-        return self.local_root / f"state-{name}"
 
     def stop(self, steps: int) -> None:
         """Every rank saved at ``steps``: wait for the writes, then end the function."""
-        self._wait_for_writes(raise_errors=True)
-        if self._durable is not None:
-            self._durable.wait(timeout=self.config.checkpoint.grace)
-        self.requests.uninstall()
-        self.checkpoints.prepared.strategy.barrier()  # every rank's part is on disk
+        self.finish(raise_errors=True)
+        self.strategy.barrier()  # every rank's part is on disk
         why = self.requests.why or ANOTHER_RANK
         raise TrainingStopped(steps, str(self.durable_target or self.local_root), why)
 
-    def finish(self) -> None:
-        """The function returned: let the last save finish before the process ends."""
-        self._wait_for_writes()
+    def finish(self, raise_errors: bool = False) -> None:
+        """The function returned (or stops): let the last save and its copy finish."""
+        self._wait_for_writes(raise_errors)
         if self._durable is not None:
             self._durable.wait(timeout=self.config.checkpoint.grace)
         self.requests.uninstall()
@@ -193,7 +187,6 @@ class AutoSave:
         steps = self.gradients.completed_steps
         self.agreement.restart_from(steps)
         self._saved_steps = self._last_boundary_steps = steps
-        self.resumed_from = source
         self._replay_metrics(checkpoint.find_checkpoint(folder))
         if self.rank == 0:
             print(f"nbaccel: resumed at step {steps:,} from {source}", file=sys.stderr, flush=True)
@@ -210,7 +203,7 @@ class AutoSave:
         into = self.local_root / ".fetched"
         if self.session is None or self.session.context.local_rank == 0:
             fetch(point, into)
-        self.checkpoints.prepared.strategy.barrier()  # the copy is whole before anyone reads
+        self.strategy.barrier()  # the copy is whole before anyone reads
         return into / point.name
 
     def _replay_metrics(self, folder: Path) -> None:
@@ -220,17 +213,21 @@ class AutoSave:
         history = folder / METRICS_FILE
         if not history.exists():
             return
-        last = -1
-        for line in history.read_text().splitlines():
-            step, values, when = json.loads(line)
+        entries = [json.loads(line) for line in history.read_text().splitlines()]
+        for step, values, when in entries:
             self.session.events.send_batched(Metric(0, int(step), values, float(when)))
-            last = max(last, int(step))
+        last = max((int(step) for step, _, _ in entries), default=-1)
         self.session.metric_steps = max(self.session.metric_steps, last + 1)
-        self.session.metric_history.extend(
-            json.loads(line) for line in history.read_text().splitlines()
-        )
+        self.session.metric_history.extend(entries)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _sum_over_ranks(self, values: list[int]) -> list[int]:
+        if self.world_size == 1:
+            return values
+        device = self.strategy.state.device
+        summed = self.strategy.reduce(torch.tensor(values, device=device), "sum")
+        return [int(v) for v in summed.tolist()]
+
     def _name(self, steps: int) -> str:
         run = self.session.context.run_id[-6:] if self.session is not None else "local"
         return f"{steps:09d}-{run}"

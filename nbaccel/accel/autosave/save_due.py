@@ -24,6 +24,7 @@ from nbaccel.accel.autosave.agreement import StepAgreement
 from nbaccel.accel.autosave.stop_requests import StopRequests
 from nbaccel.config import cadence
 from nbaccel.context import active_session
+from nbaccel.errors import ANOTHER_RANK
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def save_due() -> SaveDue:
     if decision.save:
         state.agreement.saved(state.steps)
     if decision.stop:
-        why = state.requests.why or "asked on another rank"
+        why = state.requests.why or ANOTHER_RANK
         session.stop_agreed = (state.steps, where, why)
         state.requests.uninstall()
     return SaveDue(decision.save, decision.stop, state.steps, where)

@@ -28,6 +28,7 @@ import torch
 
 from nbaccel.config.schema import Config
 from nbaccel.context import ProcessContext, WorkerSession, activate
+from nbaccel.durable import is_url, newest_complete
 from nbaccel.errors import TrainingStopped
 from nbaccel.events import (
     STACK_DUMP_SIGNAL,
@@ -169,13 +170,12 @@ def _barrier() -> None:
 def resume_folder(resume: str) -> Path | None:
     """The local state folder a launch resumes from (``resume`` as the kernel settled it: a
     checkpoint root, a state folder, a URL the ranks fetch later, or ``"never"``)."""
-    if resume == "never" or "://" in resume:
+    if resume == "never" or is_url(resume):
         return None
-    folder = Path(resume)
-    if (folder / "meta.json").exists():
-        return folder
-    latest = folder / "LATEST"
-    return folder / latest.read_text().strip() if latest.exists() else None
+    if (Path(resume) / "meta.json").exists():
+        return Path(resume)  # a state folder itself (a durable copy fetched by the kernel)
+    point = newest_complete(resume)
+    return Path(point.location) / point.name if point is not None else None
 
 
 def post_mortem(debugger: RankDebugger, error: BaseException) -> None:
