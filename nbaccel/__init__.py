@@ -62,7 +62,8 @@ if _TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.context import ProcessContext, active_session
     from nbaccel.detached_runs import attach, runs
     from nbaccel.events import RunState
-    from nbaccel.interactive import Workers
+    from nbaccel.interactive import Workers, last_workers
+    from nbaccel.interactive.model_loading import load_into
     from nbaccel.launcher.run import Run
     from nbaccel.launching import debug_launcher, launch, notebook_launcher
     from nbaccel.metrics import log_metrics
@@ -83,6 +84,8 @@ _LAZY = {
     "ProcessContext": "nbaccel.context",
     "Run": "nbaccel.launcher.run",
     "Workers": "nbaccel.interactive",
+    "last_workers": "nbaccel.interactive",
+    "load_into": "nbaccel.interactive.model_loading",
     "RunState": "nbaccel.events",
     "active_session": "nbaccel.context",
     "attach": "nbaccel.detached_runs",
@@ -189,9 +192,11 @@ __all__ = [
     "init_empty_weights",
     "init_on_device",
     "is_rich_available",
+    "last_workers",
     "launch",
     "load_checkpoint_and_dispatch",
     "load_checkpoint_in_model",
+    "load_into",
     "log_metrics",
     "notebook_launcher",
     "prepare_pippy",

@@ -81,6 +81,9 @@ class WorkerSession:
     # the function's return then ends the rank as stopped.
     loop_state: Any = None
     stop_agreed: tuple[int, str, str] | None = None
+    # The last Accelerator made here, held: kept workers (keep_workers) find the model it
+    # prepared once the function has returned (its locals gone).
+    accelerator: Any = None
 
 
 _active: WorkerSession | None = None

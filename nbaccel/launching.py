@@ -8,6 +8,8 @@ imports the UI (DESIGN.md §2; ``tests/unit/test_import_layers.py``).
 
 from __future__ import annotations
 
+import contextvars
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,8 +18,10 @@ from nbaccel.config.accelerate.launcher_keywords import given_arguments
 from nbaccel.config.resolve import ConfigSource
 from nbaccel.errors import hidden_frames
 from nbaccel.launcher.api import start
+from nbaccel.launcher.interactive.on_rank import serve_kept
+from nbaccel.launcher.planned import Keeper, KeptEnd
 from nbaccel.launcher.run import Run
-from nbaccel.ui.choose import choose_display
+from nbaccel.ui.choose import choose_display, wants_widgets
 
 
 def launch(
@@ -59,7 +63,10 @@ def launch(
     given = given_arguments(locals())
     with hidden_frames():  # an error says what is wrong: nbaccel's frames would not
         show = choose_display(dashboard, blocking=False)
-        return start(function, args, num_processes, kwargs, config, given | overrides, show=show)
+        keep = kept_workers_maker(dashboard)
+        return start(
+            function, args, num_processes, kwargs, config, given | overrides, show=show, keep=keep
+        )
 
 
 def notebook_launcher(
@@ -108,14 +115,42 @@ def notebook_launcher(
     given = given_arguments(locals())
     with hidden_frames():  # an error says what is wrong: nbaccel's frames would not
         show = choose_display(dashboard, blocking=True)
-        run = start(function, args, num_processes, kwargs, config, given | overrides, show=show)
+        keep = kept_workers_maker(dashboard)
+        run = start(
+            function, args, num_processes, kwargs, config, given | overrides, show=show, keep=keep
+        )
         try:
             run.wait()
         except KeyboardInterrupt:
             interrupted = time.monotonic()
             run.stop()
             raise stopped(run, time.monotonic() - interrupted) from None
-        return run.result()
+        value = run.result()
+        if run.config.keep_workers:
+            run.workers  # noqa: B018 - kept before the cell ends: nbaccel.last_workers() has them
+        return value
+
+
+def kept_workers_maker(dashboard: str | bool) -> Keeper:
+    """What keeps a ``keep_workers`` launch's workers: each rank serves the kernel once its
+    function returned, and the kernel makes their ``nbaccel.Workers`` group (on the run's
+    own thread), shown as the launch was: a dashboard per call and the kept workers' panel
+    with its Release button in this cell, or text."""
+    widgets = wants_widgets(dashboard)
+    cell = contextvars.copy_context()  # the panel lands in the launching cell
+
+    def make(run: Run, keep: KeptEnd) -> Any:
+        from nbaccel.interactive import Workers
+        from nbaccel.ui.kept_panel import show_kept
+
+        group = Workers.take_over_shown(run, keep, widgets=widgets)
+        try:
+            cell.run(show_kept, group, run.run_id, widgets)
+        except Exception as error:  # noqa: BLE001 - the workers are kept all the same
+            print(f"nbaccel: the kept workers' panel failed: {error!r}", file=sys.__stderr__)
+        return group
+
+    return Keeper(serve=serve_kept, make=make)
 
 
 def debug_launcher(

@@ -38,6 +38,7 @@ from nbaccel.accel.training_step import TrainingStep
 from nbaccel.config.accelerate.kwargs_handlers import collect_handlers
 from nbaccel.config.accelerator_options import apply_accelerator_arguments
 from nbaccel.config.schema import Config, flatten
+from nbaccel.context import active_session
 from nbaccel.metrics import report_settings
 
 
@@ -167,6 +168,8 @@ class Accelerator:
             # max_grad_norm from the config: clipped inside each optimizer step.
             clip=(lambda opt: self._step.config_clip(opt)) if self.config.max_grad_norm else None,
         )
+        if (session := active_session()) is not None:
+            session.accelerator = self  # kept workers find what it prepared (context.py)
         self._checkpoints = Checkpoints(self._prepared, self.gradient_state, self.options.project)
         # Periodic saves, save-and-stop and resume: from the launch's config, not the
         # Accelerator's arguments (the launch decided where checkpoints live).

@@ -252,6 +252,13 @@ class Config:
         "Run the workers under a supervisor of their own that outlives the kernel: restarting "
         "or losing the kernel leaves the run going; nbaccel.attach(run_id) finds it again.",
     )
+    keep_workers: bool = schema_field(
+        False,
+        "When the function returns on every rank, keep the ranks alive as an nbaccel.Workers "
+        "group (run.workers, nbaccel.last_workers()): the process group, the Accelerator, the "
+        "devices' memory and each rank's returned value as `result`, for evaluation in the "
+        "next cells without a relaunch.",
+    )
     max_duration: float | None = schema_field(
         None,
         "Seconds after which the run saves and stops, as on SIGTERM (None: no limit): end "

@@ -11,11 +11,14 @@ logged and raised nothing shows nothing (``call_display.py``).
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from nbaccel.config.resolve import ConfigSource
 from nbaccel.events import Event
+from nbaccel.launcher.interactive import workers as _workers
 from nbaccel.launcher.interactive.workers import WorkerGroup
+from nbaccel.launcher.planned import KeptEnd
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
 from nbaccel.ui.choose import wants_widgets
@@ -56,9 +59,20 @@ class Workers(WorkerGroup):
         self._widgets = wants_widgets(dashboard)
         super().__init__(num_processes, config=config, **overrides)
 
-    def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
+    @classmethod
+    def take_over_shown(cls, run: Run, keep: KeptEnd, *, widgets: bool) -> Workers:
+        """The group of a ``keep_workers`` launch's ranks (``WorkerGroup.take_over``), each
+        call shown as ``Workers``' are (``widgets``: a dashboard per call)."""
+        group = cls.__new__(cls)
+        group._widgets = widgets
+        group._adopt(run, keep)
+        return group
+
+    def _display(
+        self, run: Run, gpus: int, show_ranks: frozenset[int] | None, stoppable: bool = False
+    ) -> Subscriber:
         if not self._widgets:
-            return super()._display(run, gpus, show_ranks)
+            return super()._display(run, gpus, show_ranks, stoppable)
         from nbaccel.interactive.call_display import CallDisplay, Made
 
         # The ranks whose output this call shows, as the text output shows them: one rank's
@@ -77,6 +91,8 @@ class Workers(WorkerGroup):
                 subscribe=parts.append,
                 rank=shown[0],
                 together=shown if len(shown) > 1 else (),
+                # workers.launch: Stop interrupts the call, as the kernel's interrupt does
+                stop=(lambda: run.signal_workers(signal.SIGINT)) if stoppable else None,
             )
 
             def to_every_part(event: Event) -> None:
@@ -91,3 +107,18 @@ class Workers(WorkerGroup):
             return to_every_part, show
 
         return CallDisplay(make, run.config.dashboard_after, visible)
+
+
+def last_workers() -> WorkerGroup | None:
+    """The last ``nbaccel.Workers`` group made in this kernel: by ``nbaccel.Workers(...)``,
+    or by a launch with ``keep_workers=True`` once its function returned on every rank
+    (``run.workers`` waits for that). None when there is none, or it was dropped.
+
+    >>> import nbaccel
+    >>> nbaccel.notebook_launcher(lambda: 7, num_processes=1, keep_workers=True)
+    7
+    >>> workers = nbaccel.last_workers()
+    >>> workers.pull("result"), workers.close()
+    ({0: 7}, None)
+    """
+    return _workers.last_workers()

@@ -8,6 +8,7 @@ and whether the function and its arguments can be pickled.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import secrets
@@ -33,10 +34,12 @@ from nbaccel.hardware.xla_plan import XlaPlan, plan_xla, uses_xla
 from nbaccel.launcher import checks
 from nbaccel.launcher.bootstrap.payload import build_payload
 from nbaccel.launcher.bootstrap.pickling import cell_globals
+from nbaccel.launcher.control import listen
 from nbaccel.launcher.detached.start import start_detached
 from nbaccel.launcher.local.start import start_planned
 from nbaccel.launcher.long_runs.settle import settle
-from nbaccel.launcher.planned import Display, Planned
+from nbaccel.launcher.outcome.kept import release_kept, remember_kept
+from nbaccel.launcher.planned import Display, Keeper, KeptEnd, Planned
 from nbaccel.launcher.remote.hosts_launch import (
     place_here,
     place_machine_of_job,
@@ -55,15 +58,25 @@ def start(
     overrides: Mapping[str, Any],
     *,
     show: Display,
+    keep: Keeper | None = None,
 ) -> Run:
     """Check everything, then start ``function(*args, **kwargs)`` on every worker.
 
     ``show(run, gpus)`` subscribes what displays the run (the widget dashboard or text,
     chosen above the launcher by ``nbaccel.launch``) before its workers start. With
     ``detach=True`` the workers run under a supervisor of their own (``detached.py``) and
-    the returned run is attached to it.
+    the returned run is attached to it. ``keep``: what keeps the workers of a
+    ``keep_workers`` launch (``planned.Keeper``; without it such a launch is refused).
     """
-    run = start_plan(plan(function, args, num_processes, kwargs, config, overrides), show=show)
+    planned = plan(function, args, num_processes, kwargs, config, overrides, keep)
+    if planned.keep is not None and keep is not None:
+        made = dataclasses.replace(planned.keep, make=keep.make)
+        planned = dataclasses.replace(planned, keep=made)
+    if planned.keep is not None:
+        release_kept("a new keep_workers launch")
+    run = start_plan(planned, show=show)
+    if planned.keep is not None:
+        remember_kept(run)
     # A cell's function took the kernel's globals as they were: a NameError from a rank for
     # a name defined since says so (Run._value).
     if (names := cell_globals(function)) is not None:
@@ -72,12 +85,18 @@ def start(
 
 
 def start_plan(planned: Planned, *, show: Display) -> Run:
-    """Start a planned launch: on several machines, detached, or here."""
-    if planned.placement is not None:
-        return start_on_hosts(planned, show=show)
-    if planned.resolved.config.detach:
-        return start_detached(planned, show=show)
-    return start_planned(planned, show=show)
+    """Start a planned launch: on several machines, detached, or here. The kept workers'
+    listener (``keep_workers``) is closed if the start fails, else by their group."""
+    try:
+        if planned.placement is not None:
+            return start_on_hosts(planned, show=show)
+        if planned.resolved.config.detach:
+            return start_detached(planned, show=show)
+        return start_planned(planned, show=show)
+    except BaseException:
+        if planned.keep is not None:
+            planned.keep.listener.close()
+        raise
 
 
 def plan(
@@ -87,8 +106,10 @@ def plan(
     kwargs: Mapping[str, Any] | None,
     config: ConfigSource,
     overrides: Mapping[str, Any],
+    keeper: Keeper | None = None,
 ) -> Planned:
-    """Everything about a launch but its processes, checked: an error here leaves nothing."""
+    """Everything about a launch but its processes, checked: an error here leaves nothing.
+    ``keeper``: what keeps the workers of a ``keep_workers`` launch (``start``'s ``keep``)."""
     # Everything that can be wrong is found before any process, folder, pipe or port exists.
     checks.check_call(function, args, kwargs)
     explicit = from_accelerate_keywords(overrides)  # use_port=, num_nodes=, ... as Accelerate's
@@ -121,25 +142,47 @@ def plan(
             placement = place_here(resolved.config, world_size, xla=xla is not None)
     checks.check_log_ranks(resolved.config, world_size)
     checks.check_project_dir(resolved.config)
-    return Planned(
-        run_id=time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3),
-        resolved=resolved,
-        xla=xla,
-        gpus=chosen.count,
-        world_size=world_size,
+    keep = None
+    if resolved.config.keep_workers:  # the last check, then the one thing made here
+        checks.refuse_unsupported(resolved.config, xla, "keep_workers=True")
+        if keeper is None:
+            raise ConfigError(
+                "keep_workers=True keeps the workers for the kernel that launched them: use "
+                "nbaccel.launch or nbaccel.notebook_launcher (a terminal's launch ends with "
+                "its workers).",
+                field="keep_workers",
+            )
+        token = secrets.token_hex(32)
+        facing = placement.first_address if placement is not None else None
+        listener, address = listen(facing if resolved.config.hosts else None, token)
+        keep = KeptEnd(listener, address, token, chosen.count)
+    try:
         # Workers the kernel starts itself wait while it checks data kept from an earlier
         # launch (a detached run's supervisor, torch_xla's and other machines' do not).
-        payload=build_payload(
+        payload = build_payload(
             function,
             tuple(args),
             kwargs or {},
             resolved.config,
             settle_later=placement is None and xla is None and not resolved.config.detach,
             notices=resume_notes,
-        ),
+            keep=(keeper.serve, keep.address, keep.token) if keeper and keep else None,
+        )
+    except BaseException:
+        if keep is not None:
+            keep.listener.close()
+        raise
+    return Planned(
+        run_id=time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3),
+        resolved=resolved,
+        xla=xla,
+        gpus=chosen.count,
+        world_size=world_size,
+        payload=payload,
         env=dict(os.environ) | chosen.worker_env(),  # gpu_ids: the workers see only those
         cwd=os.getcwd(),
         placement=placement,
+        keep=keep,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from nbaccel.config.resolve import Resolved
 from nbaccel.config.schema import OVERSUBSCRIBE_FACTOR, Config, shown_ranks
 from nbaccel.errors import CallError, ConfigError
+from nbaccel.hardware.xla_plan import XlaPlan
 
 
 def check_call(function: Any, args: Any, kwargs: Mapping[str, Any] | None) -> None:
@@ -178,3 +179,29 @@ def check_project_dir(config: Config) -> None:
         f"{why}. Choose a folder you can write to.",
         field="project_dir",
     )
+
+
+def refuse_unsupported(config: Config, xla: XlaPlan | None, who: str = "nbaccel.Workers") -> None:
+    """What interactive workers do not serve (``who``: ``nbaccel.Workers``, or a launch's
+    ``keep_workers=True``), refused before anything starts."""
+    if xla is not None:
+        raise ConfigError(
+            f"{who} does not run on torch_xla yet (its ranks can be threads of one process, "
+            "which an interrupt cannot reach one by one). Use nbaccel.launch on TPU without "
+            "it, or use_cpu=True for CPU workers.",
+            field="strategy",
+        )
+    for key, value in (
+        ("detach", config.detach),
+        ("max_restarts", config.max_restarts),
+        ("num_machines", config.num_machines > 1),
+    ):
+        if value:
+            raise ConfigError(
+                f"{key}= is not supported with {who} (interactive workers live and die with "
+                "this kernel, in one process group that is not restarted; a job whose "
+                "machines each launch from their own kernel has no one kernel to serve). Use "
+                f"nbaccel.launch without {'it' if who == 'nbaccel.Workers' else who} for it, "
+                "or hosts=[...] to run the workers on several machines.",
+                field=key,
+            )

@@ -67,3 +67,39 @@ def same_user(conn: socket.socket) -> bool:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     uid: int = struct.unpack("3i", creds)[1]
     return uid == os.getuid()
+
+
+# Where interactive workers (and a keep_workers launch's ranks) connect back to the kernel:
+# an abstract Unix socket, no file to leave behind, checked by uid.
+ADDRESS_PREFIX = "\0nbaccel-workers-"
+
+
+def listen(facing: str | None, token: str) -> tuple[socket.socket, str]:
+    """The kernel's end for workers to connect to, listening, and its address: an abstract
+    Unix socket here (``facing`` None); on several machines, TCP on this machine's address
+    facing the host ``facing`` (a port of the system's choosing)."""
+    if facing is None:
+        address = ADDRESS_PREFIX + token[:32]
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+    else:
+        host = address_facing(facing)
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener.bind((host, 0))
+        port = listener.getsockname()[1]
+        address = f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+    listener.listen()
+    return listener, address
+
+
+def address_facing(host: str) -> str:
+    """This machine's address on the route to ``host`` (where its workers reach the kernel).
+
+    >>> address_facing("127.0.0.1")
+    '127.0.0.1'
+    """
+    family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)  # a datagram socket sends nothing: this only picks the route
+        address: str = probe.getsockname()[0]
+    return address

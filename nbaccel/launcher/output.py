@@ -18,6 +18,9 @@ MAX_PENDING_CHARS = 64 * 1024
 MARK = "\x1b[nbaccel-mark "
 _MARK = MARK.encode()
 MAX_MARK_TEXT = 200  # longer, and it is not a mark but the rank's own bytes
+# The mark a keep_workers rank prints once its function returned, before its value goes:
+# the kernel hands the ranks over to their Workers group once it has every rank's.
+TRAINED_MARK = "trained"
 
 
 class LineSplitter:

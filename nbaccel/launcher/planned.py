@@ -9,9 +9,10 @@ kernel had at launch.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nbaccel.config.resolve import Resolved
 from nbaccel.hardware.xla_plan import XlaPlan
@@ -65,10 +66,41 @@ class HostPlacement:
     job: JobMachine | None = None
     addresses: tuple[str, ...] | None = None
 
+    @property
+    def first_address(self) -> str:
+        """Where the first host is reached (its address, else its name)."""
+        return (self.addresses or self.hosts)[0]
+
     def ranks(self) -> range:
         """The global ranks these hosts run: all of the job's, or this machine's share."""
         first = self.job.machine_rank * self.shares[0] if self.job is not None else 0
         return range(first, first + sum(self.shares))
+
+
+@dataclass(frozen=True)
+class Keeper:
+    """What keeps a ``keep_workers`` launch's workers, given by the entry point above the
+    launcher: ``serve(address, secret, value)``, what each rank runs once its function
+    returned (``interactive.on_rank.serve_kept``, sent by reference in the payload), and
+    ``make(run, end)``, what then makes the ``nbaccel.Workers`` group in the kernel."""
+
+    serve: Callable[[str, str, Any], None]
+    make: Callable[[Run, KeptEnd], Any]
+
+
+@dataclass(frozen=True)
+class KeptEnd:
+    """Where the ranks of a ``keep_workers`` launch connect once the function has returned
+    on every rank (``interactive.connect``: the kernel's listening socket, the address the
+    ranks were given and the launch's secret), and ``make``: what turns the run and this
+    into an ``nbaccel.Workers`` group (given by the entry point above the launcher, which
+    chooses how the group's calls are shown). Never pickled: a detached run is refused."""
+
+    listener: socket.socket
+    address: str
+    token: str
+    gpus: int  # GPUs the run uses (0: CPU), for the group's displays
+    make: Callable[[Run, KeptEnd], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,3 +116,4 @@ class Planned:
     env: dict[str, str]  # the launching process's environment, the base of each worker's
     cwd: str
     placement: HostPlacement | None = None  # several machines (hosts=...); None: this one
+    keep: KeptEnd | None = None  # keep_workers: where the ranks connect after the function

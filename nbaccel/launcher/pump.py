@@ -64,8 +64,9 @@ from nbaccel.launcher.debug.stall import StallReports
 from nbaccel.launcher.long_runs.saved_stops import SavedStops
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import Failure, build_error, last_output
+from nbaccel.launcher.outcome.kept import HandOver
 from nbaccel.launcher.outcome.restarts import Attempts, RestartsSeen
-from nbaccel.launcher.output import Mark, render
+from nbaccel.launcher.output import TRAINED_MARK, Mark, render
 from nbaccel.launcher.results import RankPipes as RankPipes  # Run's, and the tests'
 from nbaccel.launcher.results import ResultBoxes, keep_in_folder
 from nbaccel.launcher.run_folder import private_file
@@ -77,7 +78,7 @@ DRAIN_SECONDS = 1.0  # after the last exit, how long pipes held by grandchildren
 Subscriber = Callable[[Event], None]
 
 
-class RunPump(StallReports, RestartsSeen, SavedStops):
+class RunPump(StallReports, RestartsSeen, SavedStops, HandOver):
     """The pump thread's half of ``Run`` (its state is set up by ``Run.__init__``)."""
 
     run_id: str
@@ -92,6 +93,8 @@ class RunPump(StallReports, RestartsSeen, SavedStops):
     _metrics_seen: int
     _records_lock: threading.Lock
     _done: threading.Event
+    _gone: threading.Event
+    kept_error: BaseException | None
     _inbox: queue.SimpleQueue[dict[str, Any]]
     _wake_read: int
     _wake_write: int
@@ -205,7 +208,11 @@ class RunPump(StallReports, RestartsSeen, SavedStops):
                 # call's metrics) is handed out before it: the pipes are read apart.
                 while selector is not None and self._read(selector, r, "events"):
                     pass
-                self._emit(OutputMark(r.rank, item.text, now))
+                if item.text == TRAINED_MARK:  # keep_workers: its function has returned
+                    r.trained = True
+                    self._maybe_hand_over()
+                else:
+                    self._emit(OutputMark(r.rank, item.text, now))
             else:
                 self._emit(LogLine(r.rank, *item, now))
 
@@ -250,6 +257,7 @@ class RunPump(StallReports, RestartsSeen, SavedStops):
                 r.result_map = self._boxes.take(r.rank, message.buffers)
                 value = Packed(message.value, message.buffers)
                 keep_in_folder(self.run_dir / f"result-rank{r.rank}.pkl", value, r.result_map)
+                self._maybe_hand_over()
             case Rank0Value():  # rank 0 ran on another machine: kept as its own value is
                 self._rank0_value = message.value
                 keep_in_folder(self.run_dir / "result-rank0.pkl", Packed(message.value))
@@ -272,6 +280,8 @@ class RunPump(StallReports, RestartsSeen, SavedStops):
             self._ask_to_save(message.get("why", "run.stop(save=True)"))
         elif op == "stop":
             self._arbiter.cancel(time.monotonic())
+        elif op == "release":  # kept workers being closed: they leave on their own
+            self._releasing = True
         elif op == "exited" and self._xla is not None:
             # The supervisor is gone, and torch_xla's workers with it (same process group).
             # Ranks that sent their value finished; for the others its status is theirs.
@@ -310,8 +320,11 @@ class RunPump(StallReports, RestartsSeen, SavedStops):
         r.exitcode = status
         self._record({"event": "exited", "rank": r.rank, "exitcode": status})
         self._emit(RankExited(r.rank, status, time.time()))
-        asked_to_end = self._arbiter.cancelled or self._arbiter.saving
-        if not r.has_result and not r.stopped and not asked_to_end:
+        asked_to_end = self._arbiter.cancelled or self._arbiter.saving or self._releasing
+        # A kept worker's value came when its function returned: its exit, unless asked
+        # for, is the kept group's failure.
+        finished = r.has_result and not self._handed_over
+        if not finished and not r.stopped and not asked_to_end:
             self._fail(Failure(r.rank, "exit", time.time(), exitcode=status))
         if all(x.exitcode is not None for x in self._ranks.values()):
             self._drain_deadline = time.monotonic() + DRAIN_SECONDS
@@ -368,11 +381,18 @@ class RunPump(StallReports, RestartsSeen, SavedStops):
         for r in self._ranks.values():
             if r.log_fd != -1:
                 self._take_output(r, *r.output.close())
+        if self._handed_over:  # the run succeeded earlier; its kept workers ended now
+            self.kept_error, self._error = self._error, None
+            self._record({"event": "workers_ended", "error": str(self.kept_error or "")})
+            self._close_everything()
+            self._gone.set()
+            return
         self._record({"event": "ended", "state": state.value})
         self._close_everything()
         self._state = state
         self._emit(RunEnded(state, self._error, time.monotonic() - self._started, time.time()))
         self._done.set()
+        self._gone.set()
 
     def _close_everything(self) -> None:
         self._boxes.close()  # ranks that sent no value

@@ -45,6 +45,7 @@ class RankPipes:
     result_map: memoryview | None = None  # that box, mapped (sharing.segments.map_private)
     has_result: bool = False
     stopped: bool = False  # ended on a stop request after every rank saved (RankStopped)
+    trained: bool = False  # keep_workers: its function returned, its output is all in
     attempt: int = 0  # torch elastic's restart count of the rank's latest worker
 
 

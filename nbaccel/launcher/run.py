@@ -27,6 +27,7 @@ from nbaccel.launcher.debug.waiting import collect_stacks, serve_pending, wait_s
 from nbaccel.launcher.long_runs.kernel_signals import SaveOnSignal
 from nbaccel.launcher.outcome.arbiter import Arbiter
 from nbaccel.launcher.outcome.failures import note_kernel_name
+from nbaccel.launcher.outcome.kept import kept_workers
 from nbaccel.launcher.outcome.restarts import Attempts
 from nbaccel.launcher.pump import RankPipes, Subscriber
 from nbaccel.launcher.results import ResultBoxes, load_value
@@ -75,7 +76,18 @@ class Run(RunStart):
         self._metrics: deque[dict[str, Any]] = deque(maxlen=config.metrics_in_memory)
         self._metrics_seen = 0
         self._records_lock = threading.Lock()
+        # _done: the run's outcome is known (wait and result return). _gone: its processes
+        # have ended and the pump closed everything. One moment, but where the run keeps its
+        # workers (keep_workers): the function returned on every rank, and they serve on.
         self._done = threading.Event()
+        self._gone = threading.Event()
+        self._keep: Any = None  # keep_workers: where the ranks connect then (planned.KeptEnd)
+        self._handed_over = False  # the function returned everywhere; the workers serve on
+        self._releasing = False  # the kept workers are being closed: their exits are no failure
+        self.kept_error: BaseException | None = None  # what ended the kept workers, if a failure
+        self._workers: Any = None  # their group (interactive.workers), once taken over
+        self._workers_ready = threading.Event()
+        self._workers_failure: BaseException | None = None
         self._inbox: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         # The pump thread's wake-up pipe: made by start(), closed when the run ends. A run
         # that is never started (an error before its workers, an attached run) has none.
@@ -197,7 +209,7 @@ class Run(RunStart):
         nbaccel: run cancelled
         <RunState.CANCELLED: 'cancelled'>
         """
-        if self._state.done:
+        if self._gone.is_set():
             raise RuntimeError(
                 f"run {self.run_id} has ended ({self._state.value}): its ranks are gone. What "
                 "they wrote is in run.logs(rank); a failed rank's traceback is in run.error."
@@ -250,9 +262,31 @@ class Run(RunStart):
         """
         if timeout is None:
             timeout = 10.0 + (self.config.checkpoint.grace if save else 0.0)
-        if not self._done.is_set():
+        if not self._gone.is_set():
             self._post({"op": "stop", "save": save, "why": why or "run.stop(save=True)"})
         return self._await_end(timeout)
+
+    @property
+    def processes_ended(self) -> bool:
+        """Whether every worker process has ended (a kept run's serve on after it succeeded)."""
+        return self._gone.is_set()
+
+    @property
+    def workers(self) -> Any:
+        """The ``nbaccel.Workers`` group a ``keep_workers=True`` launch left: its ranks, with
+        the process group, the Accelerator, the devices' memory and each rank's returned
+        value as ``result``. Waits for the function to return on every rank (as ``result``
+        does); a run that did not succeed kept nothing, and says why."""
+        return kept_workers(self)
+
+    def state_dict(self, name: str | None = None) -> dict[str, Any]:
+        """The trained model's whole state dict in this process, as CPU tensors in shared
+        memory (``workers.state_dict``): the first model the ranks' Accelerator prepared,
+        else a returned module, or ``name`` in the ranks' namespace. Needs the workers kept
+        (``keep_workers=True``)."""
+        group = self.workers
+        state: dict[str, Any] = group.state_dict(name)
+        return state
 
     @property
     def saved_step(self) -> int | None:
@@ -260,9 +294,10 @@ class Run(RunStart):
         return self._stopped.completed_steps if self._stopped is not None else None
 
     def _await_end(self, timeout: float | None) -> RunState:
-        """``wait`` without serving debugger stops: for a run being stopped or closed, whose
-        stopped ranks are ending, not to be typed into."""
-        if not self._done.wait(timeout):
+        """``wait`` without serving debugger stops, until the processes are gone (kept
+        workers too): for a run being stopped or closed, whose stopped ranks are ending,
+        not to be typed into."""
+        if not self._gone.wait(timeout):
             raise TimeoutError(f"run {self.run_id} still {self._state.value} after {timeout} s")
         self._save_on_signal.uninstall()
         return self._state
@@ -300,7 +335,7 @@ class Run(RunStart):
         ``ranks``): what an interactive worker's interrupt is. ``group=False``: to each
         worker's own pid only, none of the processes it started (a stack dump's SIGUSR2,
         which would end them). Nothing once it has ended."""
-        if self._helper is not None and not self._done.is_set():
+        if self._helper is not None and not self._gone.is_set():
             self._helper.signal(self.run_id, signum, ranks, group=group)
 
     def __repr__(self) -> str:

@@ -67,10 +67,13 @@ def subscribe_dashboard(
     subscribe: Callable[[Callable[[Event], None]], None] | None = None,
     rank: int | None = None,
     together: Sequence[int] = (),
+    stop: Callable[[], None] | None = None,
 ) -> Dashboard:
     """``attach_dashboard``'s first half: the dashboard, subscribed to the run, without its
     widgets yet. A launch calls it before the workers start (no event is missed) and
-    ``show_dashboard`` once they are started: the widgets are built while the ranks start."""
+    ``show_dashboard`` once they are started: the widgets are built while the ranks start.
+    ``stop``: what the Stop button does (``workers.launch``, a call of interactive workers
+    that does not block: interrupt the call); else a launch without blocking stops its run."""
     add = subscribe if subscribe is not None else run.subscribe
     # Closures hold the run weakly: the registry's value must not keep its key alive.
     ref = weakref.ref(run)
@@ -95,8 +98,9 @@ def subscribe_dashboard(
         model.hosts.update({r: host for r in together if (host := run.host_of(r))})
     dashboard = Dashboard(
         model,
-        stop=None if blocking else lambda: _request_stop(ref),
-        save_stop=None if blocking else lambda: request_save_stop(ref),
+        stop=stop if (blocking or stop is not None) else lambda: _request_stop(ref),
+        # a call's Stop (workers.launch) interrupts it; its run, the workers, saves nothing
+        save_stop=None if (blocking or stop is not None) else lambda: request_save_stop(ref),
         stacks=None if blocking else lambda: _stacks_now(ref),
         blocking=blocking,
         rank=TOGETHER if together else (first if first in run.ranks else run.ranks[0]),

@@ -67,6 +67,7 @@ WORKER_SIDE_LAUNCHER = (
     "nbaccel.launcher.remote.elastic",
     "nbaccel.launcher.local.helper_main",
     "nbaccel.launcher.interactive.serve",
+    "nbaccel.launcher.interactive.model_ops",
 )
 # The modules behind ``nbaccel.utils`` that run in workers and import torch (the package
 # itself loads them lazily; it and nbaccel.utils.availability stay torch-free).
@@ -212,10 +213,11 @@ ROOMS: dict[str, dict[str, set[str]]] = {
         "detached": {"local", "control", "planned", "run", "run_folder"},
         # Interactive workers: one long launch (api) serving commands; the worker side
         # reports errors as bootstrap does, the kernel side builds them as outcome does;
-        # each command's output ends with output's mark.
+        # each command's output ends with output's mark; what they refuse is checks'.
         "interactive": {
             "api",
             "bootstrap",
+            "checks",
             "control",
             "debug",
             "outcome",

@@ -66,10 +66,14 @@ def build_payload(
     config: Config,
     settle_later: bool = False,
     notices: Sequence[str] = (),
+    keep: tuple[Callable[[str, str, Any], None], str, str] | None = None,
 ) -> Payload:
     """What every worker reads: function, args, kwargs, config, sys.path, cell sources.
     ``settle_later``: data kept from earlier launches is checked once the workers are
-    started (``Payload.settle``; workers of this machine, started by the kernel)."""
+    started (``Payload.settle``; workers of this machine, started by the kernel).
+    ``keep``: ``(serve, address, secret)``: once the function returned, each rank calls
+    ``serve(address, secret, value)`` to serve as interactive workers (``keep_workers``;
+    ``serve`` travels by reference)."""
     limit = limit_bytes(config.shared_memory_limit_gb)
     packed, shared, notice = pack_call(function, args, kwargs, limit, settle_later)
     data = pickle.dumps(
@@ -80,6 +84,7 @@ def build_payload(
             "config": config,
             "sys_path": list(sys.path),
             "sources": cell_sources(),
+            "keep": keep,
         },
         protocol=5,
     )

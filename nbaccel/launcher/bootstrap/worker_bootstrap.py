@@ -116,6 +116,7 @@ def run_payload(
         call = Packed(payload["function"], refs)
         function, args, kwargs = unpack(call, data_fds)
         close_fds(data_fds)  # the mapped buffers stay
+        keep = payload.get("keep")  # keep_workers: (how, address, secret) to serve at the end
         del call, payload
         try:
             value = function(*args, **kwargs)
@@ -144,6 +145,10 @@ def run_payload(
         if context.rank == 0 and config.preload_libraries:
             events.send(ModulesImported(0, imported_since(loaded_before)))
         events.send(ResultReady(context.rank, packed.data, packed.refs))
+        if keep is not None:  # keep_workers: this rank serves the kernel's calls now
+            serve_kept, address, token = keep  # interactive.on_rank.serve_kept
+            del function, args, kwargs
+            serve_kept(address, token, value)
         finish(packed.data)
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit

@@ -14,62 +14,12 @@ import time
 from typing import Any
 
 from nbaccel import unpickling
-from nbaccel.errors import ConfigError, WorkersEnded
+from nbaccel.errors import WorkersEnded
 from nbaccel.launcher.control import same_user
-from nbaccel.launcher.interactive.wire import (
-    ADDRESS_PREFIX,
-    address_facing,
-    kernel_handshake,
-    recv_frame,
-)
-from nbaccel.launcher.planned import Planned
+from nbaccel.launcher.interactive.wire import kernel_handshake, recv_frame
 from nbaccel.launcher.run import Run
 
 START_TIMEOUT = 300.0  # a cold start imports torch and may load CUDA: minutes on a slow disk
-
-
-def refuse_unsupported(planned: Planned) -> None:
-    """What interactive workers do not serve, refused before anything starts."""
-    config = planned.resolved.config
-    if planned.xla is not None:
-        raise ConfigError(
-            "nbaccel.Workers does not run on torch_xla yet (its ranks can be threads of one "
-            "process, which an interrupt cannot reach one by one). Use nbaccel.launch on TPU, "
-            "or use_cpu=True for CPU workers.",
-            field="strategy",
-        )
-    for key, value in (
-        ("detach", config.detach),
-        ("max_restarts", config.max_restarts),
-        ("num_machines", config.num_machines > 1),
-    ):
-        if value:
-            raise ConfigError(
-                f"{key}= is not supported by nbaccel.Workers (interactive workers live and die "
-                "with this kernel, in one process group that is not restarted; a job whose "
-                "machines each launch from their own kernel has no one kernel to serve). Use "
-                "nbaccel.launch for it, or hosts=[...] to run the workers on several machines.",
-                field=key,
-            )
-
-
-def listen(planned: Planned, token: str) -> tuple[socket.socket, str]:
-    """Where the workers connect: an abstract Unix socket here; on several machines, TCP on
-    this machine's address facing the first host (a port of the system's choosing)."""
-    placement = planned.placement
-    if placement is None or not planned.resolved.config.hosts:
-        address = ADDRESS_PREFIX + token[:32]
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(address)
-    else:
-        first = (placement.addresses or placement.hosts)[0]
-        host = address_facing(first)
-        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        listener.bind((host, 0))
-        port = listener.getsockname()[1]
-        address = f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
-    listener.listen()
-    return listener, address
 
 
 def accept_ranks(
@@ -83,7 +33,7 @@ def accept_ranks(
     listener.settimeout(0.25)
     try:
         while len(conns) < run.world_size:
-            if run.state.done:
+            if run.processes_ended:
                 run.result()  # raises the run's error (a rank that failed to start)
                 raise WorkersEnded("the workers ended before they all connected.")
             if time.monotonic() > deadline:

@@ -32,6 +32,8 @@ class CallEnding:
     _ended_why: str
     _finalizer: Any
 
+    def _changed(self) -> None: ...
+
     def _wait(self, run: Run, interrupted: bool, replies: dict[int, dict[str, Any]]) -> None:
         """Every rank's reply, into ``replies``. An interrupt (here, or while the command
         was being sent) gets the ranks SIGINT at once; one rank's error gets the ranks still
@@ -89,7 +91,7 @@ class CallEnding:
             raise self._ended(run, f"rank {reply['rank']}'s connection closed")
         if reply is not None:
             replies[reply["rank"]] = reply
-        elif run.state.done:
+        elif run.processes_ended:
             raise self._ended(run, "the workers' run ended")
 
     def _stuck(self, run: Run, replies: dict[int, dict[str, Any]], reason: str) -> WorkersEnded:
@@ -116,7 +118,7 @@ class CallEnding:
             run._await_end(ENDED_GRACE)
         except TimeoutError:
             pass
-        cause = run.error
+        cause = run.error or run.kept_error
         first = str(cause).splitlines()[0] if cause is not None and str(cause) else ""
         self._end(f"{what}: {first}" if first else what)
         why = f" ({first})" if first else ""
@@ -134,6 +136,7 @@ class CallEnding:
             self._ended_why = why
             self._finalizer.detach()
             shut(run, self._replies, self._sender, self._conns, self._listener, None)
+            self._changed()
 
 
 def shut(
@@ -146,6 +149,7 @@ def shut(
 ) -> None:
     """End the workers: their connections close, so each leaves its serve loop and exits;
     a run still going ``wait`` seconds later (or at once, with None) is stopped."""
+    run._post({"op": "release"})  # their exits from now on were asked for
     replies.close()
     sender.close()
     for conn in conns.values():

@@ -1,4 +1,5 @@
-"""What an interactive launch runs on each rank: ``serve_on_rank``, in a module the
+"""What an interactive launch runs on each rank: ``serve_on_rank`` (and ``serve_kept``, once a
+``keep_workers`` launch's function returned), in a module the
 torch-free kernel can import (the payload names it by reference), apart from the serve loop
 (``serve.py``, which imports torch) and from the wire it speaks (``wire.py``)."""
 
@@ -10,3 +11,11 @@ def serve_on_rank(address: str, token: str) -> None:
     from nbaccel.launcher.interactive.serve import serve
 
     serve(address, token)
+
+
+def serve_kept(address: str, token: str, value: object) -> None:
+    """A ``keep_workers`` rank whose function returned ``value``: serve the kernel's commands
+    with ``result`` in the namespace, until it closes."""
+    from nbaccel.launcher.interactive.serve import serve
+
+    serve(address, token, namespace={"result": value}, trained=True)

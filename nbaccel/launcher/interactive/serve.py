@@ -36,10 +36,18 @@ from typing import Any
 import psutil
 import torch
 
-from nbaccel.context import active_session
+from nbaccel.context import WorkerSession, active_session
+from nbaccel.events import SAVE_AND_STOP_SIGNALS
 from nbaccel.launcher.bootstrap.pickling import cell_globals
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
 from nbaccel.launcher.bootstrap.worker_bootstrap import dump_result, error_message, pack_result
+from nbaccel.launcher.interactive.model_ops import (
+    Prepacked,
+    export_state,
+    find_model,
+    full_entries,
+    map_on_rank,
+)
 from nbaccel.launcher.interactive.wire import (
     connect,
     done_mark,
@@ -47,9 +55,9 @@ from nbaccel.launcher.interactive.wire import (
     send_frame,
     worker_handshake,
 )
-from nbaccel.launcher.output import mark_line
-from nbaccel.launcher.sharing.packing import Packed, close_fds, unpack
-from nbaccel.launcher.sharing.segments import Segment
+from nbaccel.launcher.output import TRAINED_MARK, mark_line
+from nbaccel.launcher.sharing.packing import Packed, close_fds, inline_chunks, unpack
+from nbaccel.launcher.sharing.segments import Segment, map_private
 
 
 class _Interrupts:
@@ -68,9 +76,21 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
-def serve(address: str, token: str) -> None:
-    """Run the kernel's commands on this rank until it closes the connection."""
+def serve(
+    address: str, token: str, namespace: dict[str, Any] | None = None, trained: bool = False
+) -> None:
+    """Run the kernel's commands on this rank until it closes the connection. ``namespace``:
+    names the rank's namespace starts with (a kept launch's ``result``); ``trained``: the
+    rank ran a launch's function first (``keep_workers``), so its save-and-stop signals go
+    back to their default (the training they served has ended)."""
+    if trained:
+        for signum in SAVE_AND_STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
     session = active_session()
+    if trained:
+        # Everything the function printed and logged is read before the mark: the kernel
+        # hands the ranks over to their group once every rank's mark and value are in.
+        _mark_output(TRAINED_MARK, session)
     rank = session.context.rank if session is not None else int(os.environ.get("RANK", "0"))
     sock = connect(address)
     if not worker_handshake(sock, token):
@@ -79,7 +99,7 @@ def serve(address: str, token: str) -> None:
         )
     sock.settimeout(None)
     send_frame(sock, pickle.dumps({"rank": rank, "pid": os.getpid()}))
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    namespace = {"__name__": "__main__", "__builtins__": builtins, **(namespace or {})}
     interrupts = _Interrupts()
     signal.signal(signal.SIGINT, interrupts)
     local = sock.family == socket.AF_UNIX  # values' buffers go back in shared memory
@@ -92,19 +112,26 @@ def serve(address: str, token: str) -> None:
             command = pickle.loads(frame)
             command["fds"], command["kept"] = fds, kept
             reply, segment = _execute(command, namespace, rank, interrupts, local)
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            flush_c_stdio()
-            if session is not None:  # the call's batched metrics go before its mark, not
-                session.events.flush()  # up to 0.25 s later, into the next call's display
-            sys.stdout.write(mark_line(done_mark(command["seq"])))
-            sys.stdout.flush()
+            _mark_output(done_mark(command["seq"]), session)
             send_frame(sock, pickle.dumps(reply, protocol=5), [segment.fd] if segment else [])
             if segment is not None:
                 segment.close()  # the kernel holds it now
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sock.close()
+
+
+def _mark_output(text: str, session: WorkerSession | None) -> None:
+    """Everything printed (C's buffers too) and logged so far, then the mark ``text``: the
+    kernel knows the output before it was read once the mark comes (output and events
+    travel on different pipes). Batched metrics go before it, not up to 0.25 s later."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    flush_c_stdio()
+    if session is not None:
+        session.events.flush()
+    sys.stdout.write(mark_line(text))
+    sys.stdout.flush()
 
 
 def _execute(
@@ -128,7 +155,17 @@ def _execute(
             interrupts.running = False
             close_fds(command["fds"])  # what was mapped stays
         sent, keep = "returned or pulled", KEEP_IN_NAMESPACE
-        if local:
+        if isinstance(value, Prepacked):  # a state dict, written into its segment already
+            segment = value.segment
+            if local:
+                reply["value"], reply["refs"] = value.packed.data, value.packed.refs
+            else:  # a copy inside the message, across machines
+                maps = [map_private(segment.fd)] if segment is not None else []
+                reply["value"] = b"".join(inline_chunks(value.packed, maps))
+                if segment is not None:
+                    segment.close()
+                segment = None
+        elif local:
             packed, segment = pack_result(rank, value, sent=sent, keep=keep)
             reply["value"], reply["refs"] = packed.data, packed.refs
         else:
@@ -150,7 +187,10 @@ def _execute(
 
 def _run(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
     function, args, kwargs = _sent_call(command)
-    return in_namespace(function, namespace)(*args, **kwargs)
+    value = in_namespace(function, namespace)(*args, **kwargs)
+    if command.get("keep_as"):  # workers.launch: the value stays, as a kept launch's does
+        namespace[command["keep_as"]] = value
+    return value
 
 
 def _sent_call(command: dict[str, Any]) -> Any:
@@ -242,6 +282,38 @@ def _post_mortem(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
     return debugger.post_mortem(error)
 
 
+def _state_dict(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    """The model's whole state dict, into the kernel through shared memory (``model_ops``)."""
+    model = find_model(command.get("name"), namespace)
+    return export_state(full_entries(model), _rank_and_world()[0])
+
+
+def _map(command: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    """This rank's share of ``workers.map`` (``model_ops.map_on_rank``)."""
+    _, (fn, dataset), options = _sent_call(command)
+    fn = _named(fn, namespace, "fn") if isinstance(fn, str) else in_namespace(fn, namespace)
+    if isinstance(dataset, str):
+        dataset = _named(dataset, namespace, "dataset")
+    rank, world_size = _rank_and_world()
+    return map_on_rank(fn, dataset, rank=rank, world_size=world_size, **options)
+
+
+def _named(name: str, namespace: dict[str, Any], what: str) -> Any:
+    if name not in namespace:
+        raise NameError(
+            f"{what}={name!r} names nothing in this rank's namespace: define it in a "
+            "%%nbaccel cell or with workers.push first, or pass the object itself."
+        )
+    return namespace[name]
+
+
+def _rank_and_world() -> tuple[int, int]:
+    session = active_session()
+    if session is None:
+        return 0, 1
+    return session.context.rank, session.context.world_size
+
+
 # What a value that cannot travel back should have done instead, beside plain data.
 KEEP_IN_NAMESPACE = "; keep models and optimizers in the rank's namespace"
 
@@ -252,6 +324,8 @@ _OPERATIONS = {
     "pull": _pull,
     "free": _free_memory,
     "debug": _post_mortem,
+    "state_dict": _state_dict,
+    "map": _map,
 }
 
 

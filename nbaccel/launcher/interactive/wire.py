@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 _LENGTH = struct.Struct("!Q")
 _MAX_FDS = 64  # segments a frame may carry: a value's buffers go into one
-ADDRESS_PREFIX = "\0nbaccel-workers-"  # abstract: no file to leave behind, checked by uid
 # The mark (``output.mark_line``) a rank puts in its output after each command's (``serve``):
 # the kernel's relay then knows that the command's output has all been shown.
 _DONE = "done "
@@ -147,19 +146,6 @@ def worker_handshake(sock: socket.socket, token: str) -> bool:
     send_frame(sock, _mac(token, b"worker", challenge) + nonce)
     answer = recv_frame(sock)
     return answer is not None and hmac.compare_digest(answer, _mac(token, b"kernel", nonce))
-
-
-def address_facing(host: str) -> str:
-    """This machine's address on the route to ``host`` (where its workers reach the kernel).
-
-    >>> address_facing("127.0.0.1")
-    '127.0.0.1'
-    """
-    family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(target)  # a datagram socket sends nothing: this only picks the route
-        address: str = probe.getsockname()[0]
-    return address
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes | None:

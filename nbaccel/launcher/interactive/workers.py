@@ -18,6 +18,7 @@ import pickle
 import secrets
 import socket
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -32,7 +33,10 @@ from nbaccel.events import RunEnded, RunStarted, RunState
 from nbaccel.launcher import api
 from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, pack_call
 from nbaccel.launcher.bootstrap.pickling import cell_globals
+from nbaccel.launcher.checks import refuse_unsupported
+from nbaccel.launcher.control import listen
 from nbaccel.launcher.debug.console import nobody_to_type
+from nbaccel.launcher.interactive.after_training import AfterTraining
 from nbaccel.launcher.interactive.calls import (
     Replies,
     Sender,
@@ -40,11 +44,12 @@ from nbaccel.launcher.interactive.calls import (
     check_ranks,
     raise_at_rank_line,
 )
-from nbaccel.launcher.interactive.connect import accept_ranks, listen, refuse_unsupported
+from nbaccel.launcher.interactive.connect import accept_ranks
 from nbaccel.launcher.interactive.ending import CallEnding, errors_of, shut
 from nbaccel.launcher.interactive.on_rank import serve_on_rank
 from nbaccel.launcher.interactive.relay import CellRelay
 from nbaccel.launcher.outcome.failures import note_kernel_name
+from nbaccel.launcher.planned import KeptEnd
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
@@ -61,7 +66,7 @@ def last_workers() -> WorkerGroup | None:
     return _last_made() if _last_made is not None else None
 
 
-class WorkerGroup(CallEnding):
+class WorkerGroup(CallEnding, AfterTraining):
     """The processes of ``nbaccel.Workers`` (``nbaccel/interactive/__init__.py``) and their calls;
     shown as text here. See docs/interactive.md."""
 
@@ -79,6 +84,8 @@ class WorkerGroup(CallEnding):
         self._memory: dict[int, dict[str, int]] = {}  # per rank, after the last call
         self._run: Run | None = None
         self._ended_why = ""  # what ended the workers, said by every later call
+        self._watchers: list[Callable[[WorkerGroup], None]] = []
+        self._busy = threading.Lock()  # one call at a time (a workers.launch runs on a thread)
         self._start()
         global _last_made
         _last_made = weakref.ref(self)
@@ -122,7 +129,7 @@ class WorkerGroup(CallEnding):
 
     @property
     def alive(self) -> bool:
-        return self._run is not None and not self._run.state.done
+        return self._run is not None and not self._run.processes_ended
 
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, Any]:
         """Call ``function(*args, **kwargs)`` on every rank; ``{rank: value}``.
@@ -224,13 +231,15 @@ class WorkerGroup(CallEnding):
         self.close()
         self._start()
 
-    def close(self, timeout: float = 30.0) -> None:
-        """End the workers: each leaves its serve loop and exits; stopped if it will not."""
+    def close(self, timeout: float = 30.0, *, why: str = "workers.close()") -> None:
+        """End the workers: each leaves its serve loop and exits; stopped if it will not.
+        ``why``: what closed them, said by every later call."""
         run, self._run = self._run, None
         if run is not None:
-            self._ended_why = "they were closed with workers.close()"
+            self._ended_why = f"they were closed with {why}"
             self._finalizer.detach()
             shut(run, self._replies, self._sender, self._conns, self._listener, timeout)
+            self._changed()
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -243,16 +252,50 @@ class WorkerGroup(CallEnding):
         return f"<nbaccel.Workers {state} world_size={len(self._pids)} pids={self._pids}>"
 
     # ----- start and calls ----------------------------------------------------------
+    @classmethod
+    def take_over(cls, run: Run, keep: KeptEnd) -> WorkerGroup:
+        """The group a ``keep_workers`` run's ranks make once their function returned: they
+        connect to ``keep.listener`` now (``run_kept``). ``restart()`` later starts plain
+        workers with the run's config."""
+        group = cls.__new__(cls)
+        group._adopt(run, keep)
+        return group
+
+    def _adopt(self, run: Run, keep: KeptEnd) -> None:
+        self._num_processes, self._config = len(run.ranks), run.config
+        self._overrides = {}
+        self._seq = 0
+        self._memory = {}
+        self._watchers = []
+        self._busy = threading.Lock()
+        self._local = keep.listener.family == socket.AF_UNIX
+        self._share_limit = limit_bytes(run.config.shared_memory_limit_gb) if self._local else 0
+        self._sent_sources: set[str] = set()  # the payload had them; a call sends the rest
+        self._relay = CellRelay()
+        self._run, self._last_run, self._ended_why = None, run, ""
+        self._subscribe_relay(run, keep.gpus)
+        try:
+            self._take_ranks(run, keep.listener, keep.token)
+        except BaseException:
+            keep.listener.close()
+            raise
+        global _last_made
+        _last_made = weakref.ref(self)
+
     def _start(self) -> None:
         # Planned first with a stand-in address: where the workers run decides where the
         # kernel listens (here, or facing the hosts), and so the serve loop's arguments.
+        # Never keep_workers: these ranks serve from the start.
+        overrides = {**self._overrides, "keep_workers": False}
         planned = api.plan(
-            serve_on_rank, ("", ""), self._num_processes, None, self._config, self._overrides
+            serve_on_rank, ("", ""), self._num_processes, None, self._config, overrides
         )
-        refuse_unsupported(planned)
         config = planned.resolved.config
+        refuse_unsupported(config, planned.xla)
         token = secrets.token_hex(32)
-        listener, address = listen(planned, token)
+        placement = planned.placement
+        facing = placement.first_address if placement is not None and config.hosts else None
+        listener, address = listen(facing, token)
         # Shared memory reaches ranks over the Unix socket (its frames carry fds), not TCP.
         self._local = listener.family == socket.AF_UNIX
         self._share_limit = limit_bytes(config.shared_memory_limit_gb) if self._local else 0
@@ -261,18 +304,23 @@ class WorkerGroup(CallEnding):
         self._sent_sources = set(cell_sources())
         self._relay = CellRelay()
         self._run, self._ended_why = None, ""
+        run: Run | None = None
         try:
             run = api.start_plan(
                 dataclasses.replace(planned, payload=payload), show=self._subscribe_relay
             )
-            self._run = self._last_run = run
-            self._conns, self._pids = accept_ranks(listener, run, token)
+            self._last_run = run
+            self._take_ranks(run, listener, token)
         except BaseException:
-            if self._run is not None:
-                self._run.stop()
-                self._run = None
+            if run is not None:
+                run.stop()
             listener.close()
             raise
+
+    def _take_ranks(self, run: Run, listener: socket.socket, token: str) -> None:
+        """Take each rank's connection; the group is live from then on."""
+        self._conns, self._pids = accept_ranks(listener, run, token)
+        self._run = run
         self._listener = listener
         self._replies = Replies(self._conns)
         self._sender = Sender(self._conns)
@@ -286,9 +334,12 @@ class WorkerGroup(CallEnding):
             self, shut, run, self._replies, self._sender, self._conns, listener, 10.0
         )
 
-    def _display(self, run: Run, gpus: int, show_ranks: frozenset[int] | None) -> Subscriber:
+    def _display(
+        self, run: Run, gpus: int, show_ranks: frozenset[int] | None, stoppable: bool = False
+    ) -> Subscriber:
         """What shows one call's output and events, in the calling cell: rank-labelled text
-        here; ``nbaccel.Workers`` shows a dashboard per call in a kernel with widgets."""
+        here; ``nbaccel.Workers`` shows a dashboard per call in a kernel with widgets (with
+        a Stop button when ``stoppable``: ``launch``)."""
         return TextPrinter(sys.stdout, self._shown(run, show_ranks), announce_end=False)
 
     @staticmethod
@@ -321,6 +372,7 @@ class WorkerGroup(CallEnding):
         shown: bool = True,
         kernel_names: Mapping[str, Any] | None = None,
         sending: tuple[Callable[..., Any], tuple[Any, ...], Mapping[str, Any]] | None = None,
+        stoppable: bool = False,
     ) -> dict[int, Any]:
         """Send ``command`` to every rank and return their values. ``shown``: the call gets
         a display of its own (a dashboard in a kernel); push, pull and free_memory print
@@ -328,6 +380,26 @@ class WorkerGroup(CallEnding):
         names come from in the kernel (a NameError on a rank says when one is there).
         ``sending``: a call ``(function, args, kwargs)`` that travels with it
         (``command["call"]``), its large buffers in shared memory on one machine."""
+        __tracebackhide__ = True
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "these workers are running another call (a workers.launch still going?): "
+                "wait for it (its .wait() or .result()), or stop it with its dashboard's Stop."
+            )
+        try:
+            return self._call_alone(command, show_ranks, shown, kernel_names, sending, stoppable)
+        finally:
+            self._busy.release()
+
+    def _call_alone(
+        self,
+        command: dict[str, Any],
+        show_ranks: frozenset[int] | None,
+        shown: bool,
+        kernel_names: Mapping[str, Any] | None,
+        sending: tuple[Callable[..., Any], tuple[Any, ...], Mapping[str, Any]] | None,
+        stoppable: bool,
+    ) -> dict[int, Any]:
         __tracebackhide__ = True
         run = self._live_run()
         shared = None
@@ -343,7 +415,7 @@ class WorkerGroup(CallEnding):
         new_sources = {k: v for k, v in cell_sources().items() if k not in self._sent_sources}
         self._sent_sources |= set(new_sources)
         frame = pickle.dumps({**command, "seq": seq, "sources": new_sources}, protocol=5)
-        display = self._display(run, self._gpus, show_ranks) if shown else self._idle
+        display = self._display(run, self._gpus, show_ranks, stoppable) if shown else self._idle
         self._relay.target = display
         run._call_starts(runs_code=command["op"] in ("run", "exec"))  # each call as the first
         started = time.time()
@@ -397,3 +469,4 @@ class WorkerGroup(CallEnding):
             display(RunEnded(state, error, time.time() - started, time.time()))
             self._relay.target = self._idle
             run._watch_stalls(False)
+            self._changed()

@@ -52,6 +52,7 @@ def start_planned(planned: Planned, *, show: Display, result_boxes: bool = True)
         offer_libraries(helper)  # for the next launch: the helper is busy with this one
         write_config(run_dir, resolved)
         run = Run(run_id, run_dir, resolved.config, planned.world_size, xla=xla)
+        run._keep = planned.keep
         show_rest = show(run, gpus)  # subscribed now; the rest while the ranks start
         payload_file.write(payload.data)
         payload_file.flush()

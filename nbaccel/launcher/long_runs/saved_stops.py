@@ -28,6 +28,7 @@ class SavedStops:
     _started: float
     _stopped: RankStopped | None
     _stop_reason: str | None  # who asked the ranks to save and stop, when it was asked here
+    _handed_over: bool  # keep_workers: the run succeeded, its workers serve on
     _emit: Callable[[Event], None]
     _record: Callable[[dict[str, Any]], None]
 
@@ -47,6 +48,8 @@ class SavedStops:
         limit = self.config.max_duration
         if limit is None or self._arbiter.saving or self._arbiter.cancelled:
             return None
+        if self._handed_over:
+            return None  # the run succeeded; its kept workers have no training to save
         if self.config.detach:
             return None  # the supervisor keeps a detached run's time (supervisor_main.py)
         return self._started + limit

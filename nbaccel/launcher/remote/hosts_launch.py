@@ -73,6 +73,7 @@ def start_on_hosts(planned: Planned, *, show: Display) -> Run:
         write_config(run_dir, planned.resolved)
         ranks = placement.ranks()
         run = Run(planned.run_id, run_dir, config, planned.world_size, ranks=ranks)
+        run._keep = planned.keep
         shown(show(run, planned.gpus))
         payload = planned.payload
         told = shared_memory_notice()  # where this kernel lacks os.memfd_create, once

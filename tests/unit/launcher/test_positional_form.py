@@ -101,7 +101,7 @@ def test_the_per_node_form_positionally_counts_processes_per_machine(
 ) -> None:
     seen: dict[str, Any] = {}
 
-    def start(*args: Any, show: Any) -> Any:
+    def start(*args: Any, show: Any, keep: Any = None) -> Any:
         seen["num_processes"], seen["overrides"] = args[2], args[5]
         raise Stop(None)  # type: ignore[arg-type]
 
@@ -162,7 +162,7 @@ def test_debug_launcher_takes_its_count_positionally(
 ) -> None:
     seen: dict[str, Any] = {}
 
-    def start(*args: Any, show: Any) -> Any:
+    def start(*args: Any, show: Any, keep: Any = None) -> Any:
         seen["num_processes"], seen["overrides"] = args[2], args[5]
         raise Stop(None)  # type: ignore[arg-type]
 

@@ -1,0 +1,264 @@
+"""What interactive workers do with a trained model, on each rank (``serve``'s operations
+``state_dict`` and ``map``; the kernel's side is ``after_training.py``).
+
+``state_dict``: the model's whole state dict, unsharded, into the kernel through one
+shared-memory segment. Every rank walks the model's state dict in the same order; a
+sharded entry (an FSDP2 ``DTensor``) is gathered one at a time (``full_tensor``, a
+collective), and rank 0 writes each gathered tensor, on the CPU, straight into the segment
+at its place, then drops it. So rank 0 holds at most the segment (one full copy), its own
+shard and one gathered tensor; the others their shard and one gathered tensor. The reply is
+a small pickle whose tensors view the segment (``sharing.tensors.rebuild_tensor``), so the
+kernel maps it: no copy, no pickle of the weights. DeepSpeed gathers through its engine
+(``Accelerator.get_state_dict``: the whole dict on rank 0 first).
+
+``map``: ``fn(batch)`` over a dataset split across the ranks as a prepared ``DataLoader``
+splits an unshuffled one (``rank_batches``: global batch ``b`` goes to rank ``b % world``,
+the last round padded from the start so every rank runs as many), under
+``torch.inference_mode`` (a module in eval mode meanwhile). Each rank returns its outputs,
+on the CPU and concatenated, with its batches' sizes; the kernel puts the batches back in
+the dataset's order (``after_training.in_dataset_order``) and drops the padding.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nbaccel.context import active_session
+from nbaccel.launcher.sharing import memfd
+from nbaccel.launcher.sharing.packing import Packed
+from nbaccel.launcher.sharing.segments import Segment, aligned, pwrite_all
+from nbaccel.launcher.sharing.tensors import rebuild_tensor
+
+
+@dataclass
+class Prepacked:
+    """A reply value already packed, its buffers in ``segment`` (``serve`` sends it as is)."""
+
+    packed: Packed
+    segment: Segment | None
+
+
+class _Placed:
+    """A tensor of the segment, pickled as ``rebuild_tensor`` of the buffer at its place."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = str(dtype).removeprefix("torch."), shape
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A writable stand-in: the buffer travels out of band (the segment at its offset),
+        # and a read-only one would make the kernel copy it.
+        return rebuild_tensor, (
+            pickle.PickleBuffer(bytearray(1)),
+            self.dtype,
+            self.shape,
+            False,
+            False,
+        )
+
+
+def find_model(name: str | None, namespace: Mapping[str, Any]) -> torch.nn.Module:
+    """The model a call names (an expression in the rank's namespace: ``"model"``,
+    ``"result['model']"``), or by default: the first model the Accelerator prepared, else
+    the module the function returned (alone, or the one module in what it returned)."""
+    if name is not None:
+        found = eval(name, dict(namespace))  # the user's own expression, on their own rank
+        if not isinstance(found, torch.nn.Module):
+            raise TypeError(f"{name!r} is a {type(found).__name__} on this rank, not a module")
+        return found
+    accelerator = _accelerator()
+    if accelerator is not None and accelerator._prepared.models:
+        model: torch.nn.Module = accelerator._prepared.models[0]
+        return model
+    result = namespace.get("result")
+    values = result.values() if isinstance(result, Mapping) else result
+    candidates = [result] if isinstance(result, torch.nn.Module) else list(_modules(values))
+    if len(candidates) == 1:
+        return candidates[0]
+    raise LookupError(
+        "there is no one model here to take the state dict of: no Accelerator prepared one, "
+        f"and what the function returned holds {len(candidates)} modules. Name it: "
+        "workers.state_dict('model') (an expression in the ranks' namespace, such as "
+        "\"result['model']\")."
+    )
+
+
+def _modules(values: Any) -> Iterable[torch.nn.Module]:
+    if isinstance(values, (list, tuple)) or type(values).__name__ == "dict_values":
+        return (v for v in values if isinstance(v, torch.nn.Module))
+    return ()
+
+
+def _accelerator() -> Any:
+    session = active_session()
+    return session.accelerator if session is not None else None
+
+
+def full_entries(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    """The model's state dict entries, unwrapped (no ``module.`` or ``_orig_mod.``), sharded
+    ones as they are: gathered one by one by ``export_state``."""
+    accelerator = _accelerator()
+    if accelerator is not None and any(model is m for m in accelerator._prepared.models):
+        if accelerator.strategy.checkpoint_layout == "deepspeed":
+            return list(accelerator.get_state_dict(model).items())
+        model = accelerator.unwrap_model(model)
+    else:
+        while isinstance(inner := getattr(model, "module", None), torch.nn.Module):  # DDP
+            model = inner
+        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    return list(model.state_dict().items())
+
+
+def export_state(entries: list[tuple[str, Any]], rank: int) -> Prepacked | None:
+    """Every rank: gather each entry in turn; rank 0 writes it into one new segment and
+    returns the reply (None on the others)."""
+    places: list[tuple[str, int, int]] = []  # key, offset, bytes: where each tensor goes
+    size = 0
+    for key, value in entries:
+        if isinstance(value, torch.Tensor) and value.numel():
+            nbytes = value.numel() * value.element_size()  # a DTensor's: the whole tensor's
+            places.append((key, size, nbytes))
+            size += aligned(nbytes)
+    fd = memfd.new_fd("nbaccel-state") if rank == 0 else -1
+    try:
+        if fd != -1:
+            os.ftruncate(fd, size)
+        state: dict[str, Any] = {}
+        refs = []
+        where = {key: (offset, nbytes) for key, offset, nbytes in places}
+        for key, value in entries:
+            whole = _gathered(value)
+            if rank != 0:
+                continue
+            if key not in where:  # empty tensors and extra state: inside the pickle
+                state[key] = whole.detach().cpu() if isinstance(whole, torch.Tensor) else whole
+                continue
+            offset, nbytes = where[key]
+            host = whole.detach().to("cpu").contiguous()
+            pwrite_all(fd, memoryview(host.view(-1).view(torch.uint8).numpy()), offset)
+            state[key] = _Placed(host.dtype, tuple(host.shape))
+            refs.append((0, offset, nbytes))
+            del whole, host  # one gathered tensor at a time
+        if fd == -1:
+            return None
+        memfd.seal(fd)
+        data = pickle.dumps(state, protocol=5, buffer_callback=lambda buffer: False)
+        return Prepacked(Packed(data, tuple(refs)), Segment(fd, size))
+    except BaseException:
+        if fd != -1:
+            os.close(fd)
+        raise
+
+
+def _gathered(value: Any) -> Any:
+    """A sharded tensor made whole (a collective: every rank calls it, in the same order)."""
+    full_tensor = getattr(value, "full_tensor", None)  # torch.distributed.tensor.DTensor
+    return full_tensor() if callable(full_tensor) else value
+
+
+def map_on_rank(
+    fn: Any, dataset: Any, batch_size: int, collate_fn: Any, rank: int, world_size: int
+) -> dict[str, Any]:
+    """This rank's share of ``map``: its batches' sizes (in its order) and its outputs, on
+    the CPU and concatenated (leaf by leaf: tensors and arrays along their first axis, lists
+    element by element; tuples and mappings keep their structure)."""
+    from torch.utils.data import DataLoader
+
+    batches = rank_batches(len(dataset), batch_size, rank, world_size)
+    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn)
+    device = _device_for(fn)
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    was_training = module.training if module is not None else False
+    outputs: list[Any] = []
+    try:
+        if module is not None:
+            module.eval()  # dropout off, batch norm's running statistics: predictions
+        with torch.inference_mode():
+            for batch in loader:
+                outputs.append(_to_host(fn(_to_device(batch, device))))
+    finally:
+        if module is not None:
+            module.train(was_training)
+    rows = _join(outputs) if outputs else None
+    return {"sizes": [len(b) for b in batches], "rows": rows, "dataset_size": len(dataset)}
+
+
+def rank_batches(size: int, batch_size: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's batches of dataset indices, as a prepared DataLoader shards an unshuffled
+    dataset: global batch ``b`` (samples ``b * batch_size`` on) is rank ``b % world``'s, and
+    the last round is filled with batches from the start, so that every rank runs as many
+    (a sharded model's forward is a collective).
+
+    >>> rank_batches(5, 2, 1, 2)  # global batches [0 1] [2 3] [4] [0 1]: rank 1's
+    [[2, 3], [0, 1]]
+    """
+    starts = range(0, size, batch_size)
+    batches = [list(range(s, min(s + batch_size, size))) for s in starts]
+    padding = -len(batches) % world_size
+    batches += [batches[i % len(batches)] for i in range(padding)] if batches else []
+    return batches[rank::world_size]
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """A batch's tensors on ``device`` (in dicts, lists and tuples; objects with their own
+    ``.to``, such as transformers' ``BatchEncoding``, move themselves)."""
+    if isinstance(batch, torch.Tensor) or (hasattr(batch, "to") and not isinstance(batch, type)):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _device_for(fn: Any) -> torch.device:
+    """Where batches go: the Accelerator's device, a module's own, else this rank's."""
+    accelerator = _accelerator()
+    if accelerator is not None:
+        device: torch.device = accelerator.device
+        return device
+    if isinstance(fn, torch.nn.Module):
+        for parameter in fn.parameters():
+            return parameter.device
+    session = active_session()
+    if session is None or session.config.use_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", session.context.local_rank)
+
+
+def _to_host(value: Any) -> Any:
+    """An output with its tensors on the CPU, out of autograd and inference mode."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").clone()  # a plain tensor: inference tensors cannot travel
+    if isinstance(value, Mapping):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_to_host(item) for item in value)
+    return value
+
+
+def _join(outputs: list[Any]) -> Any:
+    """One rank's batch outputs as one: leaf by leaf, along the first axis."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    if isinstance(first, Mapping):
+        return {key: _join([o[key] for o in outputs]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(_join([o[i] for o in outputs]) for i in range(len(first)))
+    if isinstance(first, list):
+        return [row for o in outputs for row in o]
+    concatenate = getattr(type(first), "__array_function__", None)
+    if concatenate is not None:  # numpy arrays (numpy is in every worker with torch)
+        import numpy
+
+        return numpy.concatenate(outputs)
+    raise TypeError(
+        f"workers.map: fn returned a {type(first).__name__} per batch; return a tensor, an "
+        "array or a list with a row per sample (or a tuple or dict of them)."
+    )
