@@ -116,6 +116,7 @@ def last_workers() -> WorkerGroup | None:
 
     >>> import nbaccel
     >>> nbaccel.notebook_launcher(lambda: 7, num_processes=1, keep_workers=True)
+    nbaccel: the worker of run ... kept: run.workers or nbaccel.last_workers() (...) ...
     7
     >>> workers = nbaccel.last_workers()
     >>> workers.pull("result"), workers.close()

@@ -39,7 +39,7 @@ def load_into(model: Any, source: Any, *, strict: bool = False, assign: bool = F
     >>> import torch, nbaccel
     >>> trained, fresh = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
     >>> nbaccel.load_into(fresh, trained.state_dict())
-    _IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+    <All keys matched successfully>
     >>> torch.equal(fresh.weight, trained.weight)
     True
     """

@@ -21,10 +21,11 @@ RELEASE_TOOLTIP = "End the kept workers: their processes and the device memory t
 
 def kept_text(workers: WorkerGroup, run_id: str) -> str:
     """The line text mode prints once the workers are kept."""
+    who = "the worker" if workers.world_size == 1 else f"the {workers.world_size} workers"
     return (
-        f"nbaccel: the {workers.world_size} workers of run {run_id} are kept: "
-        "run.workers or nbaccel.last_workers() (%%nbaccel cells, workers.run, "
-        "workers.state_dict, workers.map); workers.close() ends them\n"
+        f"nbaccel: {who} of run {run_id} kept: run.workers or nbaccel.last_workers() "
+        "(%%nbaccel cells, workers.run, workers.state_dict, workers.map); workers.close() "
+        "ends them\n"
     )
 
 
@@ -80,6 +81,8 @@ class KeptPanel:
             self._workers.close(why="the Release button")
         except Exception as error:  # noqa: BLE001 - said in the panel; the click must return
             self.label.value = f"<small>release failed: {html.escape(str(error))}</small>"
+            return
+        self.update(self._workers)  # said by the click itself, not only by the group's watchers
 
 
 def show_kept(workers: WorkerGroup, run_id: str, widgets: bool) -> None:

@@ -49,6 +49,9 @@ def test_public_api_has_runnable_examples() -> None:
         "resolve",
         "Accelerator",
         "ConfigPanel",
+        "Workers",
+        "last_workers",
+        "load_into",
     ):
         assert ">>>" in (getattr(nbaccel, name).__doc__ or ""), name
 
