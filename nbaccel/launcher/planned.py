@@ -80,7 +80,7 @@ class HostPlacement:
 @dataclass(frozen=True)
 class Keeper:
     """What keeps a ``keep_workers`` launch's workers, given by the entry point above the
-    launcher: ``serve(address, secret, value)``, what each rank runs once its function
+    launcher: ``serve(address, secret, names)``, what each rank runs once its function
     returned (``interactive.on_rank.serve_kept``, sent by reference in the payload), and
     ``make(run, end)``, what then makes the ``nbaccel.Workers`` group in the kernel."""
 

@@ -170,7 +170,11 @@ def test_release_ends_the_processes_and_every_later_call_says_so(runs_dir: str) 
     assert run.state is RunState.SUCCEEDED and run.result()["rank"] == 0
     pids = workers.pids
     assert not run.processes_ended and not gone(pids)
+    seen: list[bool] = []  # what the kept panel watches: each call, and the end
+    workers.watch(lambda group: seen.append(group.alive))
+    workers.run(os.getpid)
     workers.close()
+    assert seen == [True, False]
     wait_for(lambda: gone(pids), 10, "the kept workers to end")
     assert run.processes_ended and run.kept_error is None
     assert run.state is RunState.SUCCEEDED  # the run's outcome is its training's

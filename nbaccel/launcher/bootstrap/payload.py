@@ -72,7 +72,7 @@ def build_payload(
     ``settle_later``: data kept from earlier launches is checked once the workers are
     started (``Payload.settle``; workers of this machine, started by the kernel).
     ``keep``: ``(serve, address, secret)``: once the function returned, each rank calls
-    ``serve(address, secret, value)`` to serve as interactive workers (``keep_workers``;
+    ``serve(address, secret, names)`` to serve as interactive workers (``keep_workers``;
     ``serve`` travels by reference)."""
     limit = limit_bytes(config.shared_memory_limit_gb)
     packed, shared, notice = pack_call(function, args, kwargs, limit, settle_later)

@@ -147,8 +147,11 @@ def run_payload(
         events.send(ResultReady(context.rank, packed.data, packed.refs))
         if keep is not None:  # keep_workers: this rank serves the kernel's calls now
             serve_kept, address, token = keep  # interactive.on_rank.serve_kept
+            # The namespace starts as a cell's function sent to workers.run would find it:
+            # what the function took from the kernel, and its value as `result`.
+            names = {**(pickling.cell_globals(function) or {}), "result": value}
             del function, args, kwargs
-            serve_kept(address, token, value)
+            serve_kept(address, token, names)
         finish(packed.data)
         return 0
     except BaseException as error:  # noqa: BLE001 - every failure is reported, then we exit

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbaccel.errors import WorkersEnded
@@ -31,8 +31,7 @@ class CallEnding:
     _listener: socket.socket
     _ended_why: str
     _finalizer: Any
-
-    def _changed(self) -> None: ...
+    _changed: Callable[[], None]  # after_training.AfterTraining's: the group's watchers
 
     def _wait(self, run: Run, interrupted: bool, replies: dict[int, dict[str, Any]]) -> None:
         """Every rank's reply, into ``replies``. An interrupt (here, or while the command

@@ -13,9 +13,10 @@ def serve_on_rank(address: str, token: str) -> None:
     serve(address, token)
 
 
-def serve_kept(address: str, token: str, value: object) -> None:
-    """A ``keep_workers`` rank whose function returned ``value``: serve the kernel's commands
-    with ``result`` in the namespace, until it closes."""
+def serve_kept(address: str, token: str, names: dict[str, object]) -> None:
+    """A ``keep_workers`` rank whose function returned: serve the kernel's commands in a
+    namespace that starts with ``names`` (the function's globals from the kernel, and its
+    value as ``result``), until the kernel closes."""
     from nbaccel.launcher.interactive.serve import serve
 
-    serve(address, token, namespace={"result": value}, trained=True)
+    serve(address, token, namespace=dict(names), trained=True)
