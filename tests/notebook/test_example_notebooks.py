@@ -68,6 +68,7 @@ def test_notebooks_folder_has_examples() -> None:
         "08_interactive",
         "09_debugging",
         "10_survive_the_machine",
+        "11_after_training",
     }, names
 
 
@@ -685,6 +686,50 @@ def _check_survive_the_machine(widgets: Widgets, cells: Any, folder: Path) -> No
     assert all((durable / name / "MANIFEST.json").is_file() for name in listed[1:])
 
 
+def _check_after_training(widgets: Widgets, cells: Any, folder: Path) -> None:
+    nb = widgets.nb
+    # The launch ended succeeded, and its ranks were kept: the panel under its dashboard
+    # (released by the last cell: its line says so, its button is greyed out).
+    launch = cells.cell(nb, "launch")
+    assert cells.result(launch).startswith("<nbaccel.Workers alive world_size=2 "), launch
+    text, _ = _summary(launch)
+    assert ": succeeded" in text and "trained 1 epoch(s): loss" in text, text
+    for dashboard in widgets.dashboards("launch"):
+        assert widgets.text(dashboard["header"]).startswith("succeeded")
+    shown = list(widgets._shown(launch.outputs))
+    [panel] = [mid for mid in shown if "nbaccel-kept-workers" in widgets.classes(mid)]
+    children = widgets.state[panel]["state"]["children"]
+    button, label = (child.removeprefix("IPY_MODEL_") for child in children)
+    assert widgets.state[button]["state"]["disabled"], "Release still enabled after close()"
+    released = widgets.text(label)
+    assert re.fullmatch(r"the workers of run \S+ are released", released), released
+    # Evaluated on the kept ranks (a %%nbaccel cell), the model in the kernel, map in order.
+    before = float(cells.result(cells.cell(nb, "eval")))
+    assert 0.6 < before < 1.0, before
+    loaded = cells.stream(cells.cell(nb, "load"))
+    assert re.fullmatch(r"\d+ tensors, [\d,]+ numbers in the kernel\n", loaded), loaded
+    mapped = cells.stream(cells.cell(nb, "map"))
+    assert "512 predictions in order" in mapped, mapped
+    assert f"held-out accuracy: {before:.3f}" in mapped, (before, mapped)  # as the ranks said
+    plot = cells.cell(nb, "plot")
+    [figure] = [out.data["image/png"] for out in plot.outputs if "image/png" in out.get("data", {})]
+    assert base64.b64decode(figure).startswith(PNG)
+    # More training on the same workers, shown as a launch; the held-out accuracy went up.
+    more = cells.cell(nb, "train-more")
+    after = float(cells.result(more))
+    assert after > before, (before, after)
+    printed = cells.stream(more)
+    assert f"held-out accuracy: {before:.3f} before, {after:.3f} after 3 more epochs" in printed
+    launched = widgets.dashboards("train-more")
+    assert launched, "workers.launch showed no dashboard"
+    log = "\n".join(line for d in launched for line in _log_lines(widgets, d))
+    summaries = [out.data.get("text/plain", "") for out in more.outputs if "data" in out]
+    log += "\n".join(text for text in summaries if text.startswith("nbaccel run "))
+    assert "trained 3 epoch(s): loss" in log, log
+    assert any(widgets.frames(d["curve"], "train-more") for d in launched), "no loss curve"
+    assert cells.result(cells.cell(nb, "close")).startswith("[")
+
+
 CONTENT_CHECKS = {
     "01_quickstart_cpu.ipynb": _check_quickstart,
     "02_config_panel.ipynb": _check_config_panel,
@@ -695,4 +740,5 @@ CONTENT_CHECKS = {
     "08_interactive.ipynb": _check_interactive,
     "09_debugging.ipynb": _check_debugging,
     "10_survive_the_machine.ipynb": _check_survive_the_machine,
+    "11_after_training.ipynb": _check_after_training,
 }
