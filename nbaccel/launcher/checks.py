@@ -198,7 +198,7 @@ def refuse_unsupported(config: Config, xla: XlaPlan | None, who: str = "nbaccel.
     ):
         if value:
             raise ConfigError(
-                f"{key}= is not supported with {who} (interactive workers live and die with "
+                f"{key}= is not supported by {who} (interactive workers live and die with "
                 "this kernel, in one process group that is not restarted; a job whose "
                 "machines each launch from their own kernel has no one kernel to serve). Use "
                 f"nbaccel.launch without {'it' if who == 'nbaccel.Workers' else who} for it, "

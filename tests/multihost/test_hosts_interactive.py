@@ -93,6 +93,7 @@ def test_a_peer_without_the_secret_is_refused(
     class NeverStarted:  # a run whose workers never come: only the stranger connects
         world_size, run_dir = 1, tmp_path
         state = nbaccel.RunState.RUNNING
+        processes_ended = False
 
     thread = threading.Thread(target=stranger)
     thread.start()

@@ -323,3 +323,28 @@ def test_the_kernel_stays_free_of_torch_with_kept_workers(tmp_path: Path) -> Non
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("ok")
+
+
+def test_a_returned_ddp_model_reaches_the_kernel_unwrapped_and_stays_wrapped_on_the_ranks(
+    runs_dir: str,
+) -> None:
+    def train_and_return_model() -> Any:
+        import torch
+
+        from nbaccel import Accelerator
+
+        accelerator = Accelerator()
+        model = accelerator.prepare(torch.nn.Linear(4, 1))
+        return model  # DistributedDataParallel on 2 ranks
+
+    model = nbaccel.notebook_launcher(
+        train_and_return_model, num_processes=2, use_cpu=True, keep_workers=True, runs_dir=runs_dir
+    )
+    workers = nbaccel.last_workers()
+    assert workers is not None
+    try:
+        assert type(model).__name__ == "Linear"  # the wrapper's process group stays on the ranks
+        kinds = workers.run_cell("type(result).__name__, type(accelerator).__name__", "<c>")
+        assert kinds == {rank: "('DistributedDataParallel', 'Accelerator')" for rank in (0, 1)}
+    finally:
+        workers.close()

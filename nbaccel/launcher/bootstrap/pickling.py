@@ -13,6 +13,9 @@ three corrections of nbaccel's own (a ``reducer_override`` on a ``cloudpickle.Pi
 3. **Open files and sockets are refused**, naming the variable (``payload._explain``):
    cloudpickle would ship a read-mode file's contents as a copy, and each worker is a
    separate process that cannot share the handle. In-memory buffers travel as they are.
+4. **A model wrapped in ``DistributedDataParallel`` travels as the module it wraps**: the
+   wrapper holds the ranks' process group, so a rank's returned DDP model could not be
+   unpickled in the kernel ("Default process group has not been initialized").
 """
 
 from __future__ import annotations
@@ -81,7 +84,21 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                 return import_attribute, (home, obj.__qualname__)
         elif _is_handle(obj):
             raise CannotTravel(_handle_message(obj))
+        elif _is_ddp(obj):
+            return _same, (obj.module,)
         return super().reducer_override(obj)
+
+
+def _is_ddp(obj: Any) -> bool:
+    """Whether ``obj`` is a DistributedDataParallel wrapper (torch is not imported here)."""
+    torch = sys.modules.get("torch")
+    parallel = getattr(getattr(torch, "nn", None), "parallel", None)
+    wrapper = getattr(parallel, "DistributedDataParallel", None)
+    return wrapper is not None and isinstance(obj, wrapper)
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 def _code_from_marshal(data: bytes) -> types.CodeType:

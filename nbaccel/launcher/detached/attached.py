@@ -162,6 +162,7 @@ class AttachedRun(Run):
             self._state, self._error = event.state, event.error
             self._emit(event)
             self._done.set()
+            self._gone.set()  # a detached run keeps no workers: its end is theirs
             return
         self._emit(event)
 

@@ -82,7 +82,8 @@ def serve(
     """Run the kernel's commands on this rank until it closes the connection. ``namespace``:
     names the rank's namespace starts with (a kept launch's ``result``); ``trained``: the
     rank ran a launch's function first (``keep_workers``), so its save-and-stop signals go
-    back to their default (the training they served has ended)."""
+    back to their default (the training they served has ended), and the last Accelerator
+    it made is there as ``accelerator``."""
     if trained:
         for signum in SAVE_AND_STOP_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
@@ -91,6 +92,8 @@ def serve(
         # Everything the function printed and logged is read before the mark: the kernel
         # hands the ranks over to their group once every rank's mark and value are in.
         _mark_output(TRAINED_MARK, session)
+        if session is not None and session.accelerator is not None:
+            namespace = {**(namespace or {}), "accelerator": session.accelerator}
     rank = session.context.rank if session is not None else int(os.environ.get("RANK", "0"))
     sock = connect(address)
     if not worker_handshake(sock, token):
