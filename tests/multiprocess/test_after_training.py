@@ -8,30 +8,18 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 import nbaccel
 from nbaccel.events import RunState
 from tests.multiprocess.conftest import run_script
+from tests.multiprocess.test_interactive_workers import gone, wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def gone(pids: dict[int, int]) -> bool:
-    return not any(psutil.pid_exists(pid) for pid in pids.values())
 
 
 def train(steps: int = 5, strategy_note: str = "") -> dict[str, Any]:
@@ -234,7 +222,6 @@ def test_workers_launch_trains_on_the_group_keeps_its_value_and_stops_on_request
     _, workers = kept
 
     def train_more(steps: int) -> int:
-        import time
 
         for step in range(steps):
             nbaccel.log_metrics({"loss": 1.0 / (step + 1)}, step=step)

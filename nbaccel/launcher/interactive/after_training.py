@@ -191,7 +191,7 @@ def in_dataset_order(shares: list[dict[str, Any]]) -> Any:
     ordered = [
         batches[step] for step in range(rounds) for batches in per_rank if step < len(batches)
     ]
-    return _cut(_joined(ordered), shares[0]["dataset_size"])
+    return _cut(joined(ordered), shares[0]["dataset_size"])
 
 
 def _split_rows(rows: Any, sizes: list[int]) -> list[Any]:
@@ -210,18 +210,32 @@ def _rows(value: Any, start: int, end: int) -> Any:
     return value[start:end]
 
 
-def _joined(pieces: list[Any]) -> Any:
+def joined(pieces: list[Any]) -> Any:
+    """Batch outputs as one, leaf by leaf: tensors and arrays along their first axis (with
+    the library of their own type, already imported where they were made), lists element by
+    element; tuples and mappings keep their structure. Each rank joins its own batches with
+    it, and the kernel the ranks' shares.
+
+    >>> import numpy
+    >>> joined([{"x": numpy.zeros(2), "ids": [0, 1]}, {"x": numpy.ones(1), "ids": [2]}])
+    {'x': array([0., 0., 1.]), 'ids': [0, 1, 2]}
+    """
     first = pieces[0]
     if isinstance(first, Mapping):
-        return {key: _joined([p[key] for p in pieces]) for key in first}
+        return {key: joined([p[key] for p in pieces]) for key in first}
     if isinstance(first, tuple):
-        return tuple(_joined([p[i] for p in pieces]) for i in range(len(first)))
+        return tuple(joined([p[i] for p in pieces]) for i in range(len(first)))
     if isinstance(first, list):
         return [row for piece in pieces for row in piece]
-    module = type(first).__module__.split(".")[0]
-    if module == "torch":
+    library = type(first).__module__.split(".")[0]
+    if library == "torch":
         return sys.modules["torch"].cat(pieces)
-    return sys.modules["numpy"].concatenate(pieces)
+    if library == "numpy":
+        return sys.modules["numpy"].concatenate(pieces)
+    raise TypeError(
+        f"workers.map: fn returned a {type(first).__name__} per batch; return a tensor, an "
+        "array or a list with a row per sample (or a tuple or dict of them)."
+    )
 
 
 def _cut(value: Any, total: int) -> Any:

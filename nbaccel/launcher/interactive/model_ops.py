@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from nbaccel.context import active_session
+from nbaccel.launcher.interactive.after_training import joined
 from nbaccel.launcher.sharing import memfd
 from nbaccel.launcher.sharing.packing import Packed
 from nbaccel.launcher.sharing.segments import Segment, aligned, pwrite_all
@@ -184,7 +185,7 @@ def map_on_rank(
     finally:
         if module is not None:
             module.train(was_training)
-    rows = _join(outputs) if outputs else None
+    rows = joined(outputs) if outputs else None
     return {"sizes": [len(b) for b in batches], "rows": rows, "dataset_size": len(dataset)}
 
 
@@ -240,25 +241,3 @@ def _to_host(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_to_host(item) for item in value)
     return value
-
-
-def _join(outputs: list[Any]) -> Any:
-    """One rank's batch outputs as one: leaf by leaf, along the first axis."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(outputs)
-    if isinstance(first, Mapping):
-        return {key: _join([o[key] for o in outputs]) for key in first}
-    if isinstance(first, tuple):
-        return tuple(_join([o[i] for o in outputs]) for i in range(len(first)))
-    if isinstance(first, list):
-        return [row for o in outputs for row in o]
-    concatenate = getattr(type(first), "__array_function__", None)
-    if concatenate is not None:  # numpy arrays (numpy is in every worker with torch)
-        import numpy
-
-        return numpy.concatenate(outputs)
-    raise TypeError(
-        f"workers.map: fn returned a {type(first).__name__} per batch; return a tensor, an "
-        "array or a list with a row per sample (or a tuple or dict of them)."
-    )
