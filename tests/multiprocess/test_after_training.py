@@ -37,12 +37,12 @@ def train(steps: int = 5, strategy_note: str = "") -> dict[str, Any]:
     model, opt = acc.prepare(model, opt)
     generator = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
-        loss = model(torch.randn(8, 16, generator=generator)).pow(2).mean()
+        loss = model(torch.randn(8, 16, generator=generator).to(acc.device)).pow(2).mean()
         acc.backward(loss)
         opt.step()
         opt.zero_grad()
     whole = acc.get_state_dict(model)  # rank 0 has every weight under any strategy
-    digest = hashlib.sha256(b"".join(whole[k].numpy().tobytes() for k in sorted(whole)))
+    digest = hashlib.sha256(b"".join(whole[k].cpu().numpy().tobytes() for k in sorted(whole)))
     return {"rank": dist.get_rank(), "pid": os.getpid(), "weights": digest.hexdigest()}
 
 
