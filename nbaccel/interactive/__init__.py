@@ -122,4 +122,5 @@ def last_workers() -> WorkerGroup | None:
     >>> workers.pull("result"), workers.close()
     ({0: 7}, None)
     """
-    return _workers.last_workers()
+    group: WorkerGroup | None = _workers.last_workers()
+    return group

@@ -13,14 +13,10 @@ as ``Run.result`` does (a tensor imports torch, as asked).
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
-import secrets
-import socket
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,43 +26,29 @@ import psutil
 from nbaccel.config.resolve import ConfigSource
 from nbaccel.errors import WorkersEnded
 from nbaccel.events import RunEnded, RunStarted, RunState
-from nbaccel.launcher import api
-from nbaccel.launcher.bootstrap.payload import build_payload, cell_sources, pack_call
+from nbaccel.launcher.bootstrap.payload import cell_sources, pack_call
 from nbaccel.launcher.bootstrap.pickling import cell_globals
-from nbaccel.launcher.checks import refuse_unsupported
-from nbaccel.launcher.control import listen
 from nbaccel.launcher.debug.console import nobody_to_type
 from nbaccel.launcher.interactive.after_training import AfterTraining
 from nbaccel.launcher.interactive.calls import (
-    Replies,
-    Sender,
     build_cell_error,
     check_ranks,
     raise_at_rank_line,
 )
-from nbaccel.launcher.interactive.connect import accept_ranks
 from nbaccel.launcher.interactive.ending import CallEnding, errors_of, shut
-from nbaccel.launcher.interactive.on_rank import serve_on_rank
-from nbaccel.launcher.interactive.relay import CellRelay
+from nbaccel.launcher.interactive.group_start import GroupStart, last_workers, remember
 from nbaccel.launcher.outcome.failures import note_kernel_name
-from nbaccel.launcher.planned import KeptEnd
 from nbaccel.launcher.printer import TextPrinter
 from nbaccel.launcher.pump import Subscriber
 from nbaccel.launcher.run import Run
-from nbaccel.launcher.sharing.cache import limit_bytes
 from nbaccel.launcher.sharing.packing import Packed, close_fds, unpack
 
+__all__ = ["WorkerGroup", "last_workers"]
+
 OUTPUT_GRACE = 2.0  # how long a call waits for the last of its output to be shown
-# The last Workers made in this process, weakly: where ``%%nbaccel`` without a name runs.
-_last_made: weakref.ref[WorkerGroup] | None = None
 
 
-def last_workers() -> WorkerGroup | None:
-    """The last ``Workers`` made in this process, if it still exists (closed or not)."""
-    return _last_made() if _last_made is not None else None
-
-
-class WorkerGroup(CallEnding, AfterTraining):
+class WorkerGroup(GroupStart, CallEnding, AfterTraining):
     """The processes of ``nbaccel.Workers`` (``nbaccel/interactive/__init__.py``) and their calls;
     shown as text here. See docs/interactive.md."""
 
@@ -87,8 +69,7 @@ class WorkerGroup(CallEnding, AfterTraining):
         self._watchers: list[Callable[[WorkerGroup], None]] = []
         self._busy = threading.Lock()  # one call at a time (a workers.launch runs on a thread)
         self._start()
-        global _last_made
-        _last_made = weakref.ref(self)
+        remember(self)
 
     # ----- public API -------------------------------------------------------------
     @property
@@ -251,89 +232,7 @@ class WorkerGroup(CallEnding, AfterTraining):
         state = "alive" if self.alive else "closed"
         return f"<nbaccel.Workers {state} world_size={len(self._pids)} pids={self._pids}>"
 
-    # ----- start and calls ----------------------------------------------------------
-    @classmethod
-    def take_over(cls, run: Run, keep: KeptEnd) -> WorkerGroup:
-        """The group a ``keep_workers`` run's ranks make once their function returned: they
-        connect to ``keep.listener`` now (``run_kept``). ``restart()`` later starts plain
-        workers with the run's config."""
-        group = cls.__new__(cls)
-        group._adopt(run, keep)
-        return group
-
-    def _adopt(self, run: Run, keep: KeptEnd) -> None:
-        self._num_processes, self._config = len(run.ranks), run.config
-        self._overrides = {}
-        self._seq = 0
-        self._memory = {}
-        self._watchers = []
-        self._busy = threading.Lock()
-        self._local = keep.listener.family == socket.AF_UNIX
-        self._share_limit = limit_bytes(run.config.shared_memory_limit_gb) if self._local else 0
-        self._sent_sources: set[str] = set()  # the payload had them; a call sends the rest
-        self._relay = CellRelay()
-        self._run, self._last_run, self._ended_why = None, run, ""
-        self._subscribe_relay(run, keep.gpus)
-        try:
-            self._take_ranks(run, keep.listener, keep.token)
-        except BaseException:
-            keep.listener.close()
-            raise
-        global _last_made
-        _last_made = weakref.ref(self)
-
-    def _start(self) -> None:
-        # Planned first with a stand-in address: where the workers run decides where the
-        # kernel listens (here, or facing the hosts), and so the serve loop's arguments.
-        # Never keep_workers: these ranks serve from the start.
-        overrides = {**self._overrides, "keep_workers": False}
-        planned = api.plan(
-            serve_on_rank, ("", ""), self._num_processes, None, self._config, overrides
-        )
-        config = planned.resolved.config
-        refuse_unsupported(config, planned.xla)
-        token = secrets.token_hex(32)
-        placement = planned.placement
-        facing = placement.first_address if placement is not None and config.hosts else None
-        listener, address = listen(facing, token)
-        # Shared memory reaches ranks over the Unix socket (its frames carry fds), not TCP.
-        self._local = listener.family == socket.AF_UNIX
-        self._share_limit = limit_bytes(config.shared_memory_limit_gb) if self._local else 0
-        payload = build_payload(serve_on_rank, (address, token), {}, config)
-        # The payload carries the cells' source lines known now; each call sends newer ones.
-        self._sent_sources = set(cell_sources())
-        self._relay = CellRelay()
-        self._run, self._ended_why = None, ""
-        run: Run | None = None
-        try:
-            run = api.start_plan(
-                dataclasses.replace(planned, payload=payload), show=self._subscribe_relay
-            )
-            self._last_run = run
-            self._take_ranks(run, listener, token)
-        except BaseException:
-            if run is not None:
-                run.stop()
-            listener.close()
-            raise
-
-    def _take_ranks(self, run: Run, listener: socket.socket, token: str) -> None:
-        """Take each rank's connection; the group is live from then on."""
-        self._conns, self._pids = accept_ranks(listener, run, token)
-        self._run = run
-        self._listener = listener
-        self._replies = Replies(self._conns)
-        self._sender = Sender(self._conns)
-        self._last_failed: int | None = None  # the rank the last failed call named
-        # A rank stopped in pdb: the call's wait wakes (and q interrupts the call, no more).
-        run._debug_stops_wake(self._replies.poke, quit_ends="the call")
-        run._watch_stalls(False)  # only while a call runs
-        # Workers dropped without close() (a setup cell run again, a script's end) end too:
-        # the finalizer holds what it closes, never this object.
-        self._finalizer = weakref.finalize(
-            self, shut, run, self._replies, self._sender, self._conns, listener, 10.0
-        )
-
+    # ----- calls --------------------------------------------------------------------
     def _display(
         self, run: Run, gpus: int, show_ranks: frozenset[int] | None, stoppable: bool = False
     ) -> Subscriber:
@@ -347,13 +246,6 @@ class WorkerGroup(CallEnding, AfterTraining):
         """Whose output a call shows: ``show_ranks`` (empty: every rank, None), else the
         run's ``log_ranks``."""
         return run.shown_ranks() if show_ranks is None else (show_ranks or None)
-
-    def _subscribe_relay(self, run: Run, gpus: int) -> None:
-        self._gpus = gpus
-        # Between calls (a rank's thread printing), output goes out as text.
-        self._idle = TextPrinter(sys.stdout, run.shown_ranks(), announce_end=False)
-        self._relay.target = self._idle
-        run.subscribe(self._relay)
 
     def _live_run(self) -> Run:
         if self._run is None:
