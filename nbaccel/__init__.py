@@ -67,6 +67,7 @@ if _TYPE_CHECKING:  # every name of __getattr__'s table, for type checkers
     from nbaccel.launcher.run import Run
     from nbaccel.launching import debug_launcher, launch, notebook_launcher
     from nbaccel.metrics import log_metrics
+    from nbaccel.sweeps import Sweep, sweep
     from nbaccel.ui.panel.config_panel import ConfigPanel  # ipywidgets: loaded on first use too
     from nbaccel.utils.availability import is_rich_available
     from nbaccel.utils.memory import find_executable_batch_size
@@ -86,6 +87,8 @@ _LAZY = {
     "Workers": "nbaccel.interactive",
     "last_workers": "nbaccel.interactive",
     "load_into": "nbaccel.interactive.model_loading",
+    "sweep": "nbaccel.sweeps",
+    "Sweep": "nbaccel.sweeps",
     "RunState": "nbaccel.events",
     "active_session": "nbaccel.context",
     "attach": "nbaccel.detached_runs",
@@ -177,6 +180,7 @@ __all__ = [
     "RunCancelled",
     "RunState",
     "SerializationError",
+    "Sweep",
     "WorkerError",
     "Workers",
     "WorkersEnded",
@@ -204,6 +208,7 @@ __all__ = [
     "runs",
     "save_due",
     "skip_first_batches",
+    "sweep",
     "synchronize_rng_states",
 ]
 __version__ = "0.1.0"

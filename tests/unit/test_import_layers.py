@@ -36,6 +36,7 @@ ENTRY = (
     "nbaccel.utils",
     "nbaccel.logging",
     "nbaccel.interactive",
+    "nbaccel.sweeps",
 )
 SIDES = ("nbaccel.launcher", "nbaccel.accel")
 BASE = (
