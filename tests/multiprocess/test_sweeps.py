@@ -1,0 +1,177 @@
+"""Sweeps of real CPU/gloo launches: trials packed two at a time on this machine's cores,
+a failing trial ending alone, an Optuna pruner stopping a trial, a stuck trial timed out,
+one trial stopped, an interrupt stopping them all, and the kernel's data shared once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy
+import optuna
+import pytest
+
+import nbaccel
+from nbaccel.launcher.sharing.cache import CACHE
+from tests.multiprocess.conftest import run_script
+from tests.multiprocess.test_interactive_workers import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+DATA = numpy.arange(4 << 20, dtype="f4")  # 16 MiB held in the kernel, read by every trial
+
+
+def train(config: dict[str, Any]) -> dict[str, Any]:
+    import time
+
+    import torch.distributed as dist
+
+    started = time.time()
+    for step in range(config.get("steps", 3)):
+        nbaccel.log_metrics({"loss": config["lr"] * 10 / (step + 1)}, step=step)
+        time.sleep(config.get("pause", 0.05))
+    if config.get("fail"):
+        raise ValueError(f"trial with lr={config['lr']} broke")
+    return {
+        "started": started,
+        "ended": time.time(),
+        "world": dist.get_world_size(),
+        "pid": os.getpid(),
+        "data": float(DATA[-1]),
+    }
+
+
+def test_trials_pack_two_at_a_time_share_the_data_once_and_a_failure_stays_in_its_trial(
+    runs_dir: str,
+) -> None:
+    written = CACHE.bytes_written
+    configs = [{"lr": lr, "fail": lr == 0.3} for lr in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    sweep = nbaccel.sweep(
+        train, configs, metric="loss", dashboard="text", runs_dir=runs_dir, use_cpu=True
+    )
+    states = [trial.state for trial in sweep.trials]
+    assert states == ["succeeded", "succeeded", "failed", "succeeded", "succeeded"]
+    failed = sweep.trials[2]
+    assert "trial with lr=0.3 broke" in failed.error
+    assert failed.run is not None and "broke" in str(failed.run.error)
+    assert (failed.run.run_dir / "rank0.log").is_file()  # its folder and logs are kept
+    values = [run.result() for run in sweep.runs if run.state is nbaccel.RunState.SUCCEEDED]
+    assert all(v["world"] == 1 and v["data"] == float(DATA[-1]) for v in values)
+    # Two slots on two cores: never three trials at once, and the slots were both used.
+    spans = sorted((v["started"], v["ended"]) for v in values)
+    for start, _ in spans:
+        assert sum(s <= start < e for s, e in spans) <= 2
+    assert {str(trial.slot) for trial in sweep.trials} == {"CPU slot 0", "CPU slot 1"}
+    # The kernel's 16 MiB went to shared memory once for all five trials.
+    assert CACHE.bytes_written - written < 2 * DATA.nbytes
+    assert sweep.best is not None and sweep.best["config"]["lr"] == 0.1
+    table = sweep.table
+    assert list(table["state"]) == states and list(table["lr"]) == [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert table.loc[0, "loss"] == pytest.approx(0.1 * 10 / 3)
+    assert all(Path(folder).is_dir() for folder in table["run_dir"])
+
+
+def test_an_optuna_pruner_stops_a_bad_trial_and_the_study_knows(runs_dir: str) -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    pruner = optuna.pruners.ThresholdPruner(upper=10.0)
+    study = optuna.create_study(direction="minimize", pruner=pruner)
+    for lr in (0.1, 5.0, 0.2):  # asked in this order; 5.0 is hopeless
+        study.enqueue_trial({"lr": lr})
+
+    def space(trial: optuna.Trial) -> dict[str, Any]:
+        return {"lr": trial.suggest_float("lr", 0.1, 5.0), "steps": 200, "pause": 0.01}
+
+    sweep = nbaccel.sweep(
+        train,
+        study,
+        space=space,
+        n_trials=3,
+        metric="loss",
+        max_concurrent=1,
+        dashboard="text",
+        runs_dir=runs_dir,
+        use_cpu=True,
+    )
+    states = {trial.config["lr"]: trial.state for trial in sweep.trials}
+    assert states[5.0] == "pruned"  # 5.0 * 10 = 50 > 10 at its first step: stopped early
+    pruned = next(t for t in sweep.trials if t.state == "pruned")
+    assert pruned.step is not None and pruned.step < 150
+    kinds = sorted(t.state.name for t in study.trials)
+    assert kinds == ["COMPLETE", "COMPLETE", "PRUNED"]
+    assert study.best_value == pytest.approx(0.1 * 10 / 200)
+    assert [t.params["lr"] for t in study.trials] == [0.1, 5.0, 0.2]
+    assert sweep.best is not None and sweep.best["config"]["lr"] == 0.1
+
+
+def test_a_stuck_trial_times_out_and_its_slot_serves_the_next(runs_dir: str) -> None:
+    configs = [{"lr": 0.1, "steps": 10**6, "pause": 0.01}, {"lr": 0.2}]
+    sweep = nbaccel.sweep(
+        train,
+        configs,
+        trial_timeout=3.0,
+        max_concurrent=1,
+        dashboard="text",
+        runs_dir=runs_dir,
+        use_cpu=True,
+    )
+    assert [t.state for t in sweep.trials] == ["timed out", "succeeded"]
+    assert sweep.trials[0].seconds is not None and sweep.trials[0].seconds < 3.0 + 15
+
+
+def test_one_trial_stopped_from_a_sweep_that_does_not_block(runs_dir: str) -> None:
+    configs = [{"lr": 0.1, "steps": 10**6, "pause": 0.01}, {"lr": 0.2}, {"lr": 0.3}]
+    sweep = nbaccel.sweep(
+        train, configs, wait=False, dashboard="text", runs_dir=runs_dir, use_cpu=True
+    )
+    wait_for(lambda: sweep.trials[0].step is not None, 60, "the long trial to log")
+    assert not sweep.done
+    sweep.stop_trial(0)
+    sweep.wait(60)
+    assert [t.state for t in sweep.trials] == ["stopped", "succeeded", "succeeded"]
+
+
+def test_an_interrupt_stops_the_sweep_and_every_trial_within_seconds(tmp_path: Path) -> None:
+    done = run_script(
+        """
+        import os, signal, threading, time, psutil, nbaccel
+
+        def train(config):
+            import pathlib, time
+            pathlib.Path(f"started-{config['n']}").touch()
+            while True:
+                time.sleep(0.01)
+
+        def interrupt_once_running():
+            deadline = time.monotonic() + 60
+            while len([p for p in os.listdir(".") if p.startswith("started-")]) < 2:
+                assert time.monotonic() < deadline, "the trials never started"
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_running, daemon=True).start()
+        try:
+            nbaccel.sweep(train, [{"n": n} for n in range(4)], dashboard="text",
+                          runs_dir="runs", use_cpu=True)
+        except KeyboardInterrupt:
+            stopped = time.monotonic()
+        else:
+            raise AssertionError("the sweep was not interrupted")
+        def rank(process):  # a trial's worker (or its child), not the helper or its spares
+            try:
+                return " rank " in " ".join(process.cmdline()) or "nbaccel r" in process.name()
+            except psutil.Error:
+                return False
+
+        workers = [p for p in psutil.Process().children(recursive=True) if rank(p)]
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        names = [p.name() for p in alive]
+        print("left:", names)
+        """,
+        tmp_path,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "left: []" in done.stdout, done.stdout + done.stderr
+    said = done.stdout
+    assert "trial 0 cancelled" in said and "trial 1 cancelled" in said, said
