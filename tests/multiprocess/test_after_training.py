@@ -335,3 +335,35 @@ def test_a_returned_ddp_model_reaches_the_kernel_unwrapped_and_stays_wrapped_on_
         assert kinds == {rank: "('DistributedDataParallel', 'Accelerator')" for rank in (0, 1)}
     finally:
         workers.close()
+
+
+def test_tied_weights_arrive_once_as_one_tensor_under_both_keys(runs_dir: str) -> None:
+    def train_tied() -> None:
+        import torch
+
+        from nbaccel import Accelerator
+
+        class Tied(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = torch.nn.Embedding(300, 64)
+                self.out = torch.nn.Linear(64, 300, bias=False)
+                self.out.weight = self.embed.weight  # as language models tie them
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.out(self.embed(x))
+
+        Accelerator().prepare(Tied())
+
+    nbaccel.notebook_launcher(
+        train_tied, num_processes=2, use_cpu=True, keep_workers=True, runs_dir=runs_dir
+    )
+    workers = nbaccel.last_workers()
+    assert workers is not None
+    try:
+        state = workers.state_dict()
+        assert state["embed.weight"] is state["out.weight"]
+        segment = [line for line in Path("/proc/self/maps").read_text().splitlines()]
+        assert any("nbaccel-state" in line for line in segment)
+    finally:
+        workers.close()

@@ -21,9 +21,10 @@ the dataset's order (``after_training.in_dataset_order``) and drops the padding.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from nbaccel.context import active_session
 from nbaccel.launcher.interactive.after_training import joined
 from nbaccel.launcher.sharing import memfd
 from nbaccel.launcher.sharing.packing import Packed
-from nbaccel.launcher.sharing.segments import Segment, aligned, pwrite_all
+from nbaccel.launcher.sharing.segments import Segment, aligned, writable
 from nbaccel.launcher.sharing.tensors import rebuild_tensor
 
 
@@ -117,43 +118,91 @@ def full_entries(model: torch.nn.Module) -> list[tuple[str, Any]]:
 
 def export_state(entries: list[tuple[str, Any]], rank: int) -> Prepacked | None:
     """Every rank: gather each entry in turn; rank 0 writes it into one new segment and
-    returns the reply (None on the others)."""
-    places: list[tuple[str, int, int]] = []  # key, offset, bytes: where each tensor goes
+    returns the reply (None on the others). Entries that share a tensor (tied weights, such
+    as a language model's embedding and output layer) are written once and arrive as one
+    tensor under both keys, as ``state_dict`` has them."""
+    places: dict[str, tuple[int, int]] = {}  # key -> where its tensor goes (offset, bytes)
+    first_of: dict[tuple[Any, ...], str] = {}  # a tensor's identity -> its first key
+    tied: dict[str, str] = {}  # key -> the key whose tensor it shares
     size = 0
     for key, value in entries:
-        if isinstance(value, torch.Tensor) and value.numel():
-            nbytes = value.numel() * value.element_size()  # a DTensor's: the whole tensor's
-            places.append((key, size, nbytes))
-            size += aligned(nbytes)
+        if not isinstance(value, torch.Tensor) or not value.numel():
+            continue  # empty tensors and extra state: inside the pickle
+        identity = _identity(value)
+        if identity in first_of:
+            tied[key] = first_of[identity]
+            continue
+        first_of[identity] = key
+        nbytes = value.numel() * value.element_size()  # a DTensor's: the whole tensor's
+        places[key] = (size, nbytes)
+        size += aligned(nbytes)
     fd = memfd.new_fd("nbaccel-state") if rank == 0 else -1
     try:
         if fd != -1:
             os.ftruncate(fd, size)
-        state: dict[str, Any] = {}
-        refs = []
-        where = {key: (offset, nbytes) for key, offset, nbytes in places}
-        for key, value in entries:
-            whole = _gathered(value)
-            if rank != 0:
-                continue
-            if key not in where:  # empty tensors and extra state: inside the pickle
-                state[key] = whole.detach().cpu() if isinstance(whole, torch.Tensor) else whole
-                continue
-            offset, nbytes = where[key]
-            host = whole.detach().to("cpu").contiguous()
-            pwrite_all(fd, memoryview(host.view(-1).view(torch.uint8).numpy()), offset)
-            state[key] = _Placed(host.dtype, tuple(host.shape))
-            refs.append((0, offset, nbytes))
-            del whole, host  # one gathered tensor at a time
+        with _target(fd, size) as target:
+            state = _write_entries(entries, places, tied, target)
         if fd == -1:
             return None
         memfd.seal(fd)
         data = pickle.dumps(state, protocol=5, buffer_callback=lambda buffer: False)
-        return Prepacked(Packed(data, tuple(refs)), Segment(fd, size))
+        refs = tuple((0, *places[key]) for key in state if key in places)
+        return Prepacked(Packed(data, refs), Segment(fd, size))
     except BaseException:
         if fd != -1:
             os.close(fd)
         raise
+
+
+def _write_entries(
+    entries: list[tuple[str, Any]],
+    places: dict[str, tuple[int, int]],
+    tied: dict[str, str],
+    target: memoryview | None,
+) -> dict[str, Any]:
+    """Gather each entry (every rank, in order) and, on rank 0 (``target``), copy it into
+    its place; the state to pickle, in the entries' order."""
+    state: dict[str, Any] = {}
+    for key, value in entries:
+        if key in tied:
+            if target is not None:
+                state[key] = state[tied[key]]  # the same object: one tensor in the kernel
+            continue
+        whole = _gathered(value)
+        if target is None:
+            continue
+        if key not in places:
+            state[key] = whole.detach().cpu() if isinstance(whole, torch.Tensor) else whole
+            continue
+        offset, nbytes = places[key]
+        host = whole.detach().to("cpu").contiguous()
+        target[offset : offset + nbytes] = memoryview(host.view(-1).view(torch.uint8).numpy())
+        state[key] = _Placed(host.dtype, tuple(host.shape))
+        del whole, host  # one gathered tensor at a time
+    return state
+
+
+@contextlib.contextmanager
+def _target(fd: int, size: int) -> Iterator[memoryview | None]:
+    """The segment mapped for writing on rank 0 (``fd`` set and not empty), else None."""
+    if fd == -1 or size == 0:
+        yield memoryview(bytearray()) if fd != -1 else None
+        return
+    with writable(fd, size) as target:
+        yield target
+
+
+def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What two state-dict entries that are one tensor share: their storage, place, shape
+    and dtype (a DTensor's local shard's)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return (
+        local.untyped_storage().data_ptr(),
+        local.storage_offset(),
+        tuple(tensor.shape),
+        tuple(local.stride()),
+        tensor.dtype,
+    )
 
 
 def _gathered(value: Any) -> Any:

@@ -30,11 +30,12 @@ b'abc'
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from nbaccel.launcher.sharing import memfd
@@ -181,20 +182,32 @@ def _fill(
     offsets: list[int],
     copy: Callable[[memoryview, memoryview], T],
 ) -> list[T]:
-    # Written through a shared mapping, which is unmapped before the segment is sealed (a
-    # writable shared mapping left would refuse the seal). Memory written through
-    # ``pwrite`` or a plain mapping gets 4 KiB pages, which a rank reads at a third of the
-    # speed: 1 GiB in 0.14 s here, against 0.045 s for huge pages or a fork reading the
-    # kernel's arrays (numpy's are on huge pages); the cost is the page faults, 512 times
-    # as many. The policy "advise" gives huge pages to a mapping marked MADV_HUGEPAGE
-    # ("always", "within_size" and "force" to any); under "never", the usual default,
-    # MADV_COLLAPSE (Linux 6.1+) still builds them on request: it needs a page present in
-    # each 2 MiB, and then 1 GiB costs ~0.06 s, the time of zeroing it, after which the
-    # copies below are plain (0.05 s, against 0.3 s or more into 4 KiB pages). Where
-    # neither is allowed ("deny", an older kernel, memory too fragmented) the copies get
-    # 4 KiB pages as before.
     if size == 0:
         return [copy(memoryview(bytearray()), as_bytes(buffer)) for buffer in buffers]
+    with writable(fd, size) as target:
+        done = []
+        for buffer, offset in zip(buffers, offsets, strict=True):
+            data = as_bytes(buffer)
+            done.append(copy(target[offset : offset + data.nbytes], data))
+        return done
+
+
+@contextlib.contextmanager
+def writable(fd: int, size: int) -> Iterator[memoryview]:
+    """The memfd ``fd`` (``size`` bytes, > 0) mapped to be written, on huge pages where the
+    machine allows; unmapped at the end, before the segment is sealed (a writable shared
+    mapping left would refuse the seal).
+
+    Memory written through ``pwrite`` or a plain mapping gets 4 KiB pages, which a rank
+    reads at a third of the speed: 1 GiB in 0.14 s here, against 0.045 s for huge pages or
+    a fork reading the kernel's arrays (numpy's are on huge pages); the cost is the page
+    faults, 512 times as many. The policy "advise" gives huge pages to a mapping marked
+    MADV_HUGEPAGE ("always", "within_size" and "force" to any); under "never", the usual
+    default, MADV_COLLAPSE (Linux 6.1+) still builds them on request: it needs a page
+    present in each 2 MiB, and then 1 GiB costs ~0.06 s, the time of zeroing it, after which
+    the copies are plain (0.05 s, against 0.3 s or more into 4 KiB pages). Where neither is
+    allowed ("deny", an older kernel, memory too fragmented) the copies get 4 KiB pages.
+    """
     whole, target = _map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         if size >= HUGE_PAGE:
@@ -206,11 +219,7 @@ def _fill(
                 for offset in range(0, huge, HUGE_PAGE):
                     os.pwrite(fd, b"\0", offset)
                 _advise(target, MADV_COLLAPSE, huge)
-        done = []
-        for buffer, offset in zip(buffers, offsets, strict=True):
-            data = as_bytes(buffer)
-            done.append(copy(target[offset : offset + data.nbytes], data))
-        return done
+        yield target
     finally:
         target.release()
         try:
