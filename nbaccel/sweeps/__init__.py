@@ -98,7 +98,7 @@ def sweep(
         options = {**overrides, "num_processes": processes_per_trial}
         if config is not None:
             options["config"] = config
-        watch = _display(dashboard, result, packer, sources.total)
+        watch = _display(dashboard, result, packer, sources.total, wait)
         scheduler = Scheduler(train, sources, packer, result, options, trial_timeout, watch)
         if wait:
             scheduler.run()
@@ -130,8 +130,17 @@ def _packer(config: Any, per_trial: int, max_concurrent: int | None) -> Packer:
     return Packer((), per_trial, cpu_slots=slots, max_concurrent=max_concurrent)
 
 
-def _display(dashboard: str | bool, sweep: Sweep, packer: Packer, total: int) -> Watcher:
-    """How the sweep is shown: text lines (the widget board comes with ``ui.sweep_board``)."""
+def _display(
+    dashboard: str | bool, sweep: Sweep, packer: Packer, total: int, blocking: bool
+) -> Watcher:
+    """How the sweep is shown: the widget board in a Jupyter kernel (``ui.sweep_board``;
+    ``blocking``: its buttons cannot receive clicks), else text lines."""
+    from nbaccel.ui.choose import wants_widgets
+
+    if wants_widgets(dashboard):
+        from nbaccel.ui.sweep_board import SweepBoard  # ipywidgets: only now
+
+        return SweepBoard(sweep, packer.capacity, blocking=blocking, total=total)
     return TextLines(sys.stdout, packer, total)
 
 
