@@ -16,6 +16,7 @@ from nbaccel.launcher.detached.attached import AttachedRun
 from nbaccel.launcher.detached.run_listing import RunsTable, find_run, list_runs
 from nbaccel.launcher.planned import shown
 from nbaccel.launcher.run import Run
+from nbaccel.sweeps.detached import AttachedSweep, find_sweep
 from nbaccel.ui.choose import choose_display
 
 
@@ -42,18 +43,22 @@ def attach(
     *,
     runs_dir: str | os.PathLike[str] | None = None,
     dashboard: str | bool = "auto",
-) -> Run:
+) -> Run | AttachedSweep:
     """Find a detached run (``launch(..., detach=True)``) again, from any kernel.
 
     The returned ``Run`` replays what happened (metrics, logs) into a new dashboard and then
     follows the run live; ``stop()``, ``wait()``, ``result()``, ``results()`` and ``logs()``
-    work on it, also once it has ended.
+    work on it, also once it has ended. A sweep's id (``sweep-...``, from
+    ``sweep(..., detach=True)``) gives the detached sweep: its ``table``, ``best``,
+    ``wait()``, ``stop()``.
 
     >>> import nbaccel, tempfile
     >>> nbaccel.attach(runs_dir=tempfile.mkdtemp())
     Traceback (most recent call last):
     ValueError: no detached run under ...: launch one with detach=True.
     """
+    if run_id.startswith("sweep-"):
+        return find_sweep(_runs_dir(runs_dir), run_id)
     run = AttachedRun(find_run(_runs_dir(runs_dir), run_id))
     shown(choose_display(dashboard, blocking=False)(run, run.gpus))
     run.connect()

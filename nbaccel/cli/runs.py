@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 import nbaccel
+from nbaccel.sweeps.detached import AttachedSweep
 
 
 def register(commands: Any) -> None:
@@ -50,6 +51,16 @@ def _attach(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"nbaccel: {error}", file=sys.stderr)
         return 2
+    if isinstance(run, AttachedSweep):  # a sweep's id: follow it until every trial ended
+        if args.stop:
+            run.stop()
+        try:
+            run.wait()
+        except KeyboardInterrupt:
+            print(f"nbaccel: stopped following; sweep {run.sweep_id} goes on.", file=sys.stderr)
+            return 130
+        print("\n".join(f"trial {row['trial']}: {row['state']}" for row in run.rows()))
+        return 0
     if args.stop:
         print(f"nbaccel: run {run.run_id} {run.stop(timeout=60).value}")
         return 0

@@ -30,7 +30,6 @@ __all__ = ["Sweep", "Trial", "sweep"]
 _REFUSED = {
     "num_processes": "processes_per_trial= sets each trial's processes",
     "keep_workers": "each trial's workers end with it",
-    "detach": "a detached sweep (one that outlives the kernel) is not supported yet",
     "hosts": "a sweep packs trials onto this machine's devices",
     "num_machines": "a sweep packs trials onto this machine's devices",
     "max_restarts": "a failed trial ends alone; run it again as a trial of its own",
@@ -95,9 +94,22 @@ def sweep(
                 trials.append(Trial(len(trials), asked[0]))
         result = Sweep(trials, metric, mode)
         result.study = sources.study
+        detach = bool(overrides.pop("detach", False))
         options = {**overrides, "num_processes": processes_per_trial}
         if config is not None:
             options["config"] = config
+        if detach:
+            return _detached(
+                train,
+                result,
+                sources,
+                packer,
+                options,
+                space,
+                n_trials,
+                trial_timeout,
+                resolved.config.runs_dir,
+            )
         watch = _display(dashboard, result, packer, sources.total, wait)
         scheduler = Scheduler(train, sources, packer, result, options, trial_timeout, watch)
         if wait:
@@ -107,6 +119,60 @@ def sweep(
         thread.name = "nbaccel-sweep"
         thread.start()
         return result
+
+
+def _detached(
+    train: Callable[..., Any],
+    result: Sweep,
+    sources: Configs,
+    packer: Packer,
+    options: dict[str, Any],
+    space: Any,
+    n_trials: int | None,
+    trial_timeout: float | None,
+    runs_dir: str,
+) -> Sweep:
+    """Hand the sweep to a supervisor of its own (``detached.py``); what follows it."""
+    from nbaccel.sweeps.detached import start_detached, sweeps_dir
+
+    study, storage = sources.study, None
+    if study is not None:
+        backend = getattr(study, "_storage", None)
+        storage = getattr(backend, "url", None) or getattr(
+            getattr(backend, "_backend", None), "url", None
+        )
+        if storage is None:
+            raise ConfigError(
+                "detach=True over an Optuna study needs the study in a storage another process "
+                "can open: optuna.create_study(storage='sqlite:///sweep.db', study_name=...). "
+                "One in memory lives and dies with this kernel.",
+                field="detach",
+            )
+    devices = [device for slot in packer.slots for device in slot.devices]
+    plan = {
+        "folder": str(sweeps_dir(runs_dir) / result.sweep_id),
+        "sweep_id": result.sweep_id,
+        "train": train,
+        "configs": [trial.config for trial in result.trials] if study is None else None,
+        "space": space if study is not None else None,
+        "n_trials": n_trials if study is not None else None,
+        "study_name": study.study_name if study is not None else None,
+        "storage": storage,
+        "metric": result.metric,
+        "mode": result.mode,
+        "devices": devices,
+        "per_trial": packer.per_trial,
+        "cpu_slots": packer.capacity,
+        "max_concurrent": packer.capacity,
+        "options": options,
+        "trial_timeout": trial_timeout,
+    }
+    attached = start_detached(plan, runs_dir, result.sweep_id)
+    sys.stdout.write(
+        f"nbaccel: sweep {result.sweep_id} runs detached (supervisor pid {attached.pid}): "
+        f"nbaccel.attach({result.sweep_id!r}) finds it again from any kernel\n"
+    )
+    return attached
 
 
 def _run_quietly(scheduler: Scheduler) -> None:

@@ -106,6 +106,9 @@ class Scheduler:
 
     def _start(self, trial: Trial, slot: Slot) -> None:
         options = dict(self._options)
+        if options.get("checkpoint_dir"):  # each trial resumes from its own checkpoints
+            place = str(options["checkpoint_dir"]).rstrip("/")
+            options["checkpoint_dir"] = f"{place}/{self._sweep.sweep_id}/trial-{trial.number}"
         if slot.gpu_ids is not None:
             options["gpu_ids"] = slot.gpu_ids
         else:
@@ -114,7 +117,7 @@ class Scheduler:
         self._running[trial.number] = trial
 
         def show(run: Run, gpus: int) -> None:
-            trial.run = run
+            trial.run, trial.run_dir = run, str(run.run_dir)
             run.subscribe(lambda event: self._post(trial, event))
 
         try:

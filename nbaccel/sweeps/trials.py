@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ class Trial:
     metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     optuna_trial: Any = None
     ending: str = ""  # what the sweep asked of a trial it stopped: "pruned", "timed out"...
+    run_dir: str = ""  # its run folder (a detached sweep's trials have no Run here)
 
     @property
     def seconds(self) -> float | None:
@@ -62,6 +64,11 @@ class Trial:
         return min(values) if mode == "min" else max(values)
 
 
+def new_sweep_id() -> str:
+    """A sweep's id: when it started, and a few random hex digits (as run ids are)."""
+    return time.strftime("sweep-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
 class Sweep:
     """What ``nbaccel.sweep`` returns: its trials, as they go and once ended.
 
@@ -71,7 +78,10 @@ class Sweep:
     started trial's ``Run``; ``wait()``, ``stop()``, ``stop_trial(number)``.
     """
 
-    def __init__(self, trials: list[Trial], metric: str | None, mode: str) -> None:
+    def __init__(
+        self, trials: list[Trial], metric: str | None, mode: str, sweep_id: str = ""
+    ) -> None:
+        self.sweep_id = sweep_id or new_sweep_id()
         self.trials = trials
         self.metric = metric
         self.mode = mode
@@ -102,7 +112,7 @@ class Sweep:
             "trial": trial.number,
             "config": dict(trial.config),
             "metrics": {name: trial.last(name) for name in trial.metrics},
-            "run_dir": str(trial.run.run_dir) if trial.run is not None else None,
+            "run_dir": trial.run_dir or None,
         }
 
     def best_trial(self) -> Trial | None:
@@ -136,7 +146,7 @@ class Sweep:
             row["step"] = trial.step
             row["seconds"] = round(trial.seconds, 3) if trial.seconds is not None else None
             row["device"] = str(trial.slot) if trial.slot is not None else ""
-            row["run_dir"] = str(trial.run.run_dir) if trial.run is not None else ""
+            row["run_dir"] = trial.run_dir
             row["error"] = trial.error
             rows.append(row)
         return rows

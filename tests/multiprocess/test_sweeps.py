@@ -175,3 +175,61 @@ def test_an_interrupt_stops_the_sweep_and_every_trial_within_seconds(tmp_path: P
     assert "left: []" in done.stdout, done.stdout + done.stderr
     said = done.stdout
     assert "trial 0 cancelled" in said and "trial 1 cancelled" in said, said
+
+
+def test_a_detached_sweep_outlives_its_kernel_and_another_kernel_attaches(
+    tmp_path: Path,
+) -> None:
+    started = run_script(
+        """
+        import nbaccel, optuna
+
+        def train(config):
+            import time
+            for step in range(config.get("steps", 10)):
+                nbaccel.log_metrics({"loss": config["lr"] / (step + 1)}, step=step)
+                time.sleep(0.02)
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(storage="sqlite:///study.db", study_name="s")
+        for lr in (0.3, 0.1):
+            study.enqueue_trial({"lr": lr})
+        space = lambda trial: {"lr": trial.suggest_float("lr", 0.05, 0.5)}
+        sweep = nbaccel.sweep(train, study, space=space, n_trials=2, metric="loss",
+                              detach=True, runs_dir="runs", use_cpu=True)
+        long = nbaccel.sweep(train, [{"lr": 1.0, "steps": 10**6}, {"lr": 2.0}], detach=True,
+                             runs_dir="runs", use_cpu=True, max_concurrent=1)
+        print("ids", sweep.sweep_id, long.sweep_id, sweep.pid)
+        """,
+        tmp_path,
+    )
+    assert started.returncode == 0, started.stderr
+    ids = started.stdout.split("ids ")[1].split()
+    attached = run_script(
+        f"""
+        import time, psutil, optuna, nbaccel
+
+        sweep = nbaccel.attach({ids[0]!r}, runs_dir="runs").wait(120)
+        assert [t.state for t in sweep.trials] == ["succeeded", "succeeded"], sweep.rows()
+        assert sweep.best["config"] == {{"lr": 0.1}}, sweep.best
+        study = optuna.load_study(study_name="s", storage="sqlite:///study.db")
+        assert study.best_params == {{"lr": 0.1}}, study.best_params   # told by the supervisor
+        long = nbaccel.attach({ids[1]!r}, runs_dir="runs")
+        deadline = time.monotonic() + 60
+        while long.trials[0].step is None:          # reads the state file again each time
+            assert time.monotonic() < deadline, "the long trial never logged"
+            time.sleep(0.05)
+        long.stop_trial(0)
+        long.wait(60)
+        assert [t.state for t in long.trials] == ["stopped", "succeeded"], long.rows()
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists({ids[2]}) and psutil.Process({ids[2]}).status() != "zombie":
+            assert time.monotonic() < deadline, "the supervisor outlived its sweep"
+            time.sleep(0.05)
+        print("ok")
+        """,
+        tmp_path,
+        timeout=240,
+    )
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert attached.stdout.strip().endswith("ok")

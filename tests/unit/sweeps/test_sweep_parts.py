@@ -88,7 +88,7 @@ def test_an_optuna_study_is_asked_when_a_slot_is_free_and_told_each_end() -> Non
 @pytest.mark.parametrize(
     ("options", "said"),
     [
-        ({"detach": True}, "detach= is not supported by nbaccel.sweep"),
+        ({"hosts": ["node1"]}, "hosts= is not supported by nbaccel.sweep"),
         ({"num_processes": 4}, "processes_per_trial= sets"),
         ({"keep_workers": True}, "keep_workers= is not supported"),
         ({"mode": "best"}, "mode='best'"),
@@ -147,3 +147,19 @@ def test_text_lines_say_each_start_and_end_once_and_the_best_at_the_end() -> Non
     assert said[2] == "nbaccel: trial 0 succeeded in 1.5 s: loss 0.5 (best so far)"
     assert said[3] == "nbaccel: sweep ended; best trial 0: loss 0.5 with {'lr': 1.0}"
     assert len(said) == 4
+
+
+def test_a_detached_sweep_over_a_study_in_memory_is_refused(tmp_path: Path) -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with pytest.raises(ConfigError, match="storage another process can open"):
+        nbaccel.sweep(
+            print,
+            optuna.create_study(),
+            space=lambda trial: {"lr": trial.suggest_float("lr", 0.1, 1.0)},
+            n_trials=2,
+            detach=True,
+            dashboard="text",
+            runs_dir=str(tmp_path),
+            use_cpu=True,
+        )
+    assert not any(tmp_path.iterdir())
