@@ -49,6 +49,7 @@ def sweep(
     trial_timeout: float | None = None,
     wait: bool = True,
     dashboard: str | bool = "auto",
+    sweep_id: str | None = None,
     config: ConfigSource = None,
     **overrides: Any,
 ) -> Sweep:
@@ -62,7 +63,9 @@ def sweep(
     at once as the cores allow); ``max_concurrent`` caps it. ``metric``/``mode``: what
     ``best`` and Optuna rank by (its last logged value). ``trial_timeout``: seconds after
     which a trial is stopped (``timed out``). ``wait=False`` returns at once
-    (``sweep.wait()``). Any launch setting as a keyword (``mixed_precision="bf16"``), for
+    (``sweep.wait()``); ``detach=True`` hands the sweep to a supervisor that outlives the
+    kernel (``nbaccel.attach(sweep.sweep_id)``). ``sweep_id``: an earlier sweep's, to run its
+    trials again where they left off (with ``checkpoint_dir`` and ``resume="auto"``). Any launch setting as a keyword (``mixed_precision="bf16"``), for
     every trial; ``gpu_ids`` names the GPUs to pack the trials onto.
 
     >>> import nbaccel
@@ -92,7 +95,7 @@ def sweep(
         if sources.study is None:  # every trial known now: the table lists them all
             while (asked := sources.next_config()) is not None:
                 trials.append(Trial(len(trials), asked[0]))
-        result = Sweep(trials, metric, mode)
+        result = Sweep(trials, metric, mode, sweep_id or "")
         result.study = sources.study
         detach = bool(overrides.pop("detach", False))
         options = {**overrides, "num_processes": processes_per_trial}

@@ -41,7 +41,7 @@ def start_detached(plan: dict[str, Any], runs_dir: str, sweep_id: str) -> Attach
     """Start the supervisor for ``plan`` (what ``supervisor.run_plan`` reads) and return
     the sweep it runs, once it said it is ready."""
     folder = sweeps_dir(runs_dir) / sweep_id
-    folder.mkdir(parents=True, mode=0o700)
+    folder.mkdir(parents=True, mode=0o700, exist_ok=True)  # a sweep run again: same folder
     fd, plan_file = tempfile.mkstemp(prefix="nbaccel-sweep-", dir=folder)  # 0600
     with os.fdopen(fd, "wb") as file:
         file.write(dumps(plan))

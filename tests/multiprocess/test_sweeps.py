@@ -233,3 +233,35 @@ def test_a_detached_sweep_outlives_its_kernel_and_another_kernel_attaches(
     )
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert attached.stdout.strip().endswith("ok")
+
+
+def trial_of_a_long_run(config: dict[str, Any]) -> dict[str, Any]:
+    """The long-runs loop (Accelerator, prepared loader, periodic saves) as a sweep's trial."""
+    from tests.multiprocess.test_long_runs import train as loop
+
+    return loop(config["total"], -1, config.get("signal_at", -1))
+
+
+def test_a_sweep_run_again_with_its_id_resumes_each_trial_from_its_own_checkpoints(
+    tmp_path: Path, runs_dir: str
+) -> None:
+    options = {"runs_dir": runs_dir, "use_cpu": True, "dashboard": "text"}
+    checkpoints = str(tmp_path / "ckpt")
+    configs = [{"total": 150, "signal_at": 20}, {"total": 150, "signal_at": 30}]
+    first = nbaccel.sweep(trial_of_a_long_run, configs, checkpoint_dir=checkpoints, **options)
+    assert [t.state for t in first.trials] == ["stopped", "stopped"]  # saved, then stopped
+    saved = [trial.run.saved_step for trial in first.trials if trial.run is not None]
+    assert all(step is not None and step >= 20 for step in saved) and saved[0] != saved[1]
+    for number in (0, 1):  # trials never share a checkpoint folder
+        assert (Path(checkpoints) / first.sweep_id / f"trial-{number}" / "LATEST").is_file()
+    again = nbaccel.sweep(
+        trial_of_a_long_run,
+        [{"total": 150}, {"total": 150}],
+        sweep_id=first.sweep_id,
+        checkpoint_dir=checkpoints,
+        resume="auto",
+        **options,
+    )
+    assert [t.state for t in again.trials] == ["succeeded", "succeeded"]
+    resumed = [run.result()["first"] for run in again.runs]
+    assert resumed == saved  # each trial went on from the step it saved
