@@ -65,8 +65,9 @@ def sweep(
     which a trial is stopped (``timed out``). ``wait=False`` returns at once
     (``sweep.wait()``); ``detach=True`` hands the sweep to a supervisor that outlives the
     kernel (``nbaccel.attach(sweep.sweep_id)``). ``sweep_id``: an earlier sweep's, to run its
-    trials again where they left off (with ``checkpoint_dir`` and ``resume="auto"``). Any launch setting as a keyword (``mixed_precision="bf16"``), for
-    every trial; ``gpu_ids`` names the GPUs to pack the trials onto.
+    trials again where they left off (with ``checkpoint_dir`` and ``resume="auto"``). Any
+    launch setting as a keyword (``mixed_precision="bf16"``), for every trial; ``gpu_ids``
+    names the GPUs to pack the trials onto.
 
     >>> import nbaccel
     >>> def train(config):
