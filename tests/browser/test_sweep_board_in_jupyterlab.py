@@ -12,6 +12,10 @@ the table, and the curves as a PNG output). The next cell waits for the sweep an
 cell, and the saved notebook holds it (HTML table and PNG). Screenshots:
 ``browser-artifacts/test_sweep_board_stops_a_trial/`` (``running.png``: the board;
 ``ended.png``: the page).
+
+A blocking sweep (``wait=True``, the default) keeps the kernel busy: its buttons are
+disabled and say that interrupting the kernel stops it; the toolbar's ■ does, and the
+running trial ends "cancelled" in the summary left in the cell.
 """
 
 from __future__ import annotations
@@ -167,3 +171,51 @@ def test_sweep_board_stops_a_trial(lab_page: LabPage) -> None:
     saved_states = re.findall(r"data-trial='\d+' data-state='([^']*)'", page)
     assert saved_states == ENDED_STATES, page[:2000]
     lab_page.mark("saved")
+
+
+BLOCKING = 'nbaccel.sweep(train, {"lr": [0.1, 0.2]}, metric="loss", use_cpu=True)'
+
+
+def test_a_blocking_sweeps_board_says_to_interrupt_and_the_interrupt_stops_it(
+    lab_page: LabPage,
+) -> None:
+    notebook = lab_page.lab.write_notebook("sweep_board_blocking.ipynb", [SETUP, BLOCKING])
+    lab_page.open(notebook)
+    run_cell(lab_page, 0)
+    run_cell(lab_page, 1)
+    output = lab_page.cell(1).locator(".jp-OutputArea.jp-Cell-outputArea")
+    board = output.locator(".nbaccel-sweep-board")
+    lab_page.wait_for_output(1, board, 60)
+    rows = board.locator(".nbaccel-sweep-table tr.nbaccel-sweep-row")
+
+    def states() -> list[str]:
+        return [str(row.get_attribute("data-state")) for row in rows.all()]
+
+    # Live while the cell runs (the kernel is busy in the sweep): the short trial ends, the
+    # long one runs; no click could reach the kernel, so the buttons are disabled and say
+    # what stops the sweep.
+    wait_until(lambda: states() == ["succeeded", "running"], 120, "the long trial alone")
+    lab_page.mark("long trial alone")
+    for part in ("button.nbaccel-sweep-stop-trial", "button.nbaccel-sweep-stop-all"):
+        button = board.locator(part)
+        assert button.is_disabled(), part
+        assert "interrupt the kernel" in str(button.get_attribute("title")), part
+    assert board.locator(".nbaccel-sweep-trial select").is_disabled()
+    assert "interrupt the kernel" in board.locator(".nbaccel-sweep-stop-note").inner_text()
+    lab_page.screenshot("blocking", board)
+
+    # The toolbar's ■ interrupts the kernel: the sweep stops its trial and leaves its summary.
+    lab_page.panel.locator('[data-jp-item-name="interrupt"] button').click()
+    lab_page.mark("interrupted")
+    summary = output.locator(".nbaccel-sweep-summary")
+    wait_until(lambda: summary.count() == 1, 60, "the interrupted sweep's summary")
+    lab_page.mark("summary")
+    said = [str(row.get_attribute("data-state")) for row in summary.locator("tr").all()[1:]]
+    assert said == ["succeeded", "cancelled"], summary.inner_text()
+    image = output.locator('.jp-OutputArea-output[data-mime-type="image/png"] img')
+    wait_until(lambda: image.count() == 1 and image.is_visible(), 30, "the summary's picture")
+    wait_until(lambda: board.count() == 0, 30, "the live board to close")
+    wait_until(lambda: "KeyboardInterrupt" in output.inner_text(), 30, "the interrupt's error")
+    text = str(lab_page.panel.inner_text())
+    assert not [word for word in BROKEN if word in text], text
+    lab_page.screenshot("interrupted")
