@@ -274,11 +274,11 @@ def test_with_its_thread_the_scheduler_never_waits_and_writes_are_throttled(
         board(sweep)
         slowest = max(slowest, time.monotonic() - called)
         time.sleep(0.02)
-    assert slowest < 0.05, slowest
+    assert slowest < 0.15, slowest  # never the 0.2 s of a frame
     elapsed = time.monotonic() - began
     assert 1 <= len(drawn) <= elapsed / 0.5 + 2, (len(drawn), elapsed)
     gaps = [later - earlier for earlier, later in itertools.pairwise(drawn)]
-    assert all(gap >= 0.45 for gap in gaps), gaps
+    assert all(gap >= 0.4 for gap in gaps), gaps
     end(sweep)
     board(sweep)  # the last call returns once the summary is out
     assert board.closed and board.wait_finished(0)
