@@ -166,9 +166,10 @@ class Scheduler:
             self._stop_trial(trial, "timed out")
             return
         if isinstance(event, Metric):
-            for name, value in event.values.items():
-                if isinstance(value, (int, float)):
-                    trial.metrics.setdefault(name, []).append((event.step, float(value)))
+            with self._sweep._lock:  # the kernel may be reading the table meanwhile
+                for name, value in event.values.items():
+                    if isinstance(value, (int, float)):
+                        trial.metrics.setdefault(name, []).append((event.step, float(value)))
             self._prune(trial, event)
             self._watch(self._sweep)
             return
@@ -233,6 +234,7 @@ class Scheduler:
             trial.state, trial.ended = trial.ending, time.monotonic()
             if trial.slot is not None:
                 self._packer.give(trial.slot)
+            self._configs.tell(trial.optuna_trial, trial.state, None)  # not left RUNNING
         self._running.clear()
 
 

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from nbaccel.launcher.run_folder import private_file
+from nbaccel.launcher.detached.supervisor_main import redirect_output
 from nbaccel.sweeps.configs import Configs
 from nbaccel.sweeps.detached import READY, write_state
 from nbaccel.sweeps.packing import Packer
@@ -49,7 +49,7 @@ def main(plan_file: str) -> int:
 
     watch(sweep)
     print(READY, flush=True)
-    _redirect_output(folder / "supervisor.log")
+    redirect_output(folder / "supervisor.log")
     wake = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -94,15 +94,6 @@ def _look_for_stops(folder: Path, sweep: Sweep, wake: threading.Event) -> None:
                 sweep.stop()
             elif path.name.removeprefix("stop-").isdigit():
                 sweep.stop_trial(int(path.name.removeprefix("stop-")))
-
-
-def _redirect_output(log: Path) -> None:
-    with private_file(log, "ab") as file:
-        for fd in (1, 2):
-            os.dup2(file.fileno(), fd)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
 
 
 if __name__ == "__main__":

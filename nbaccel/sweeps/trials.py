@@ -103,8 +103,9 @@ class Sweep:
 
     @property
     def best(self) -> dict[str, Any] | None:
-        """The best ended trial by ``metric`` (its last value) and ``mode``: ``{"trial",
-        "config", "metrics", "run_dir"}``; None before any trial logged the metric."""
+        """The best trial that succeeded, by ``metric`` (its last value) and ``mode``:
+        ``{"trial", "config", "metrics", "run_dir"}``; None before one did. A pruned, stopped
+        or failed trial is not ranked: its last value is not its result."""
         trial = self.best_trial()
         if trial is None:
             return None

@@ -16,6 +16,11 @@ then matplotlib on the dashboard's own thread) only when widgets are shown.
   cell shows, then the static summary), ``compare`` (earlier runs of the same
   ``runs_dir``), ``text`` (header, summary, HTML), ``memory`` (NVML per GPU, psutil per CPU
   worker), ``plots`` (PNG frames with matplotlib's Agg) and ``step_panel``.
+- ``kept_panel``: the line and Release button a ``keep_workers`` launch leaves under its
+  dashboard (the kept workers and each rank's memory).
+- ``sweep_board``: ``nbaccel.sweep``'s one board (a row per trial, the curves overlaid, Stop
+  trial and Stop all, then its summary), drawing what ``sweep_summary`` renders (the table
+  as HTML and text, the best trial's line, the curves as a PNG).
 - ``panel/``: ``nbaccel.ConfigPanel`` (``config_panel``, ``config_widgets``) and its groups
   as the wizard asks them (``config_groups``).
 """

@@ -58,7 +58,7 @@ def main(plan_file: str) -> int:
     with private_file(run.run_dir / SUPERVISOR_RECORD) as record_file:
         record_file.write(json.dumps(record) + "\n")
     print(READY, flush=True)
-    _redirect_output(run.run_dir / "supervisor.log")
+    redirect_output(run.run_dir / "supervisor.log")
     sigterm, wake = threading.Event(), threading.Event()
     run.subscribe(lambda event: wake.set() if isinstance(event, RunEnded) else None)
 
@@ -91,8 +91,9 @@ def _supervise(
         run.stop(timeout=60)
 
 
-def _redirect_output(log: Path) -> None:
-    """The kernel stops reading the handshake pipe: later output goes to a private file."""
+def redirect_output(log: Path) -> None:
+    """The kernel stops reading the handshake pipe: later output goes to a private file
+    (a detached sweep's supervisor does the same)."""
     with private_file(log, "ab") as file:
         for fd in (1, 2):
             os.dup2(file.fileno(), fd)

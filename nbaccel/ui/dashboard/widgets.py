@@ -180,7 +180,7 @@ class DashboardWidgets:
     def close_widgets(self) -> None:
         """Close every widget of the tree: the parts, their containers, and the layout and
         style models each one holds (ipywidgets keeps all of them alive until closed)."""
-        _close_tree(self.widget)
+        close_tree(self.widget)
 
     @property
     def model_ids(self) -> dict[str, str]:
@@ -254,9 +254,10 @@ class DashboardWidgets:
             self._metric = "loss" if "loss" in names else names[0]
 
 
-def _close_tree(widget: Any) -> None:
+def close_tree(widget: Any) -> None:
+    """Close a widget, its children, and the layout and style models each one holds."""
     for child in getattr(widget, "children", ()):
-        _close_tree(child)
+        close_tree(child)
     for name in ("layout", "style"):
         part = getattr(widget, name, None)
         if isinstance(part, widgets.Widget):

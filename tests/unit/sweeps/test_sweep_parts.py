@@ -163,3 +163,22 @@ def test_a_detached_sweep_over_a_study_in_memory_is_refused(tmp_path: Path) -> N
             use_cpu=True,
         )
     assert not any(tmp_path.iterdir())
+
+
+def test_an_interrupted_optuna_trial_is_told_it_failed_not_left_running() -> None:
+    from nbaccel.sweeps.scheduler import Scheduler
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study()
+    configs = Configs(study, space=lambda t: {"lr": t.suggest_float("lr", 0.1, 1.0)}, n_trials=1)
+    config, asked = configs.next_config()  # type: ignore[misc]
+    trial = Trial(0, config, state="running", optuna_trial=asked, slot=Slot(0))
+    sweep = Sweep([trial], "loss", "min")
+    packer = Packer((), 1, cpu_slots=1)
+    assert packer.take() == Slot(0)
+    scheduler = Scheduler(print, configs, packer, sweep, {})
+    scheduler._running[0] = trial
+    scheduler._stop_all("cancelled")
+    assert trial.state == "cancelled"
+    assert [t.state.name for t in study.trials] == ["FAIL"]
+    assert packer.take() == Slot(0)  # its slot is free again
