@@ -15,7 +15,9 @@ and keeps torch to one thread (``torch.set_num_threads(1)``): one core per trial
    the loop (alone on the machine), and from the runs' own timings: each trial's seconds as
    the sweep saw them (slot taken -> ended) minus its ``compute``, median. Against a warm
    launch: ``nbaccel.notebook_launcher(noop, num_processes=1, use_cpu=True)``, call ->
-   returned, median of 5. Goal: overhead <= the warm launch.
+   returned, median of 5. Goal: overhead <= the warm launch. Beside it the loop's own
+   per-trial overhead (loop wall / trials - compute): a launch of the real trial, whose
+   function and model are built outside ``compute``.
 3. **Peers.** Optuna's own ``study.optimize(objective, n_trials=16, n_jobs=2)``: the same
    training in the driver's threads (each trial a ``GridSampler`` point; torch set to one
    thread for it), call -> returned. Ray Tune (``--ray-python PATH``: a Python with ray and
@@ -316,6 +318,7 @@ def main() -> int:
             add("compute in sweep", sweep["compute"])
             add("overhead", sweep["wall"] * SLOTS / TRIALS - loop["compute"])
             add("seen overhead", sweep["seen_overhead"])
+            add("loop overhead", loop["wall"] / TRIALS - loop["compute"])
             add("warm", warm_launch(runs_dir))
             optuna_done = run_optuna(args.steps)
             add("optuna", optuna_done["wall"])
@@ -370,6 +373,7 @@ def report(rows: dict[str, list[float]]) -> list[str]:
         f"   per-trial overhead seen by the sweep (seconds - compute)   {s('seen overhead')}"
         + (f"  {verdict(seen <= warm)}" if seen and warm else ""),
         f"   warm launch, notebook_launcher(noop), median of 5           {s('warm')}",
+        f"   the loop's per-trial overhead (wall / trials - compute)     {s('loop overhead')}",
         f"3. Optuna study.optimize(n_jobs={SLOTS}), threads in-process     {s('optuna')}"
         f"  (a trial's compute {s('optuna compute')})",
         f"   sweep / Optuna                                              {s('optuna ratio', 'x')}",
