@@ -59,6 +59,19 @@ XLA_START_METHODS = ("spawn", "fork")
 OVERSUBSCRIBE_FACTOR = 8
 
 
+def worker_threads(config: Config, processes: int, inherited: str | None) -> str:
+    """``OMP_NUM_THREADS`` for each of ``processes`` workers on this machine: the config's
+    ``threads_per_process``, else what the environment already says (``inherited``), else
+    the usable cores shared out.
+
+    >>> worker_threads(Config(threads_per_process=3), 2, "8"), worker_threads(Config(), 1, "8")
+    ('3', '8')
+    """
+    if config.threads_per_process is not None:
+        return str(config.threads_per_process)
+    return inherited or str(max(1, usable_cpu_cores() // max(1, processes)))
+
+
 def usable_cpu_cores() -> int:
     """Cores this process may run on (a container's CPU set, not the host's count): what
     ``OVERSUBSCRIBE_FACTOR`` multiplies, and what the launcher divides threads by."""
@@ -246,6 +259,12 @@ class Config:
         "data beyond it goes through the pipe, a copy per rank. Default: half of this "
         "machine's memory; 0: never share.",
         minimum=0.0,
+    )
+    threads_per_process: int | None = schema_field(
+        None,
+        "CPU threads each worker uses (OMP_NUM_THREADS, torch.set_num_threads). Default: an "
+        "OMP_NUM_THREADS already set, else this machine's cores divided by its processes.",
+        minimum=1,
     )
     detach: bool = schema_field(
         False,

@@ -123,7 +123,9 @@ class Sweep:
         scored = [
             (value, trial)
             for trial in self.trials
-            if trial.state == "succeeded" and (value := trial.last(metric)) is not None
+            if trial.state == "succeeded"
+            and (value := trial.last(metric)) is not None
+            and not math.isnan(value)  # a diverged trial is no best
         ]
         if not scored:
             return None

@@ -13,6 +13,7 @@ import optuna
 import pytest
 
 import nbaccel
+from nbaccel.config.schema import usable_cpu_cores
 from nbaccel.launcher.local.helper import shared_helper
 from nbaccel.launcher.sharing.cache import CACHE
 from tests.multiprocess.conftest import run_script
@@ -40,6 +41,7 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
         "world": dist.get_world_size(),
         "pid": os.getpid(),
         "parent": os.getppid(),
+        "threads": __import__("torch").get_num_threads(),
         "data": float(DATA[-1]),
     }
 
@@ -60,6 +62,8 @@ def test_trials_pack_two_at_a_time_share_the_data_once_and_a_failure_stays_in_it
     assert (failed.run.run_dir / "rank0.log").is_file()  # its folder and logs are kept
     values = [run.result() for run in sweep.runs if run.state is nbaccel.RunState.SUCCEEDED]
     assert all(v["world"] == 1 and v["data"] == float(DATA[-1]) for v in values)
+    # The cores are shared out among the trials running at once: one thread each here.
+    assert {v["threads"] for v in values} == {max(1, usable_cpu_cores() // 2)}
     # Every trial's worker came from the kernel's warm helper, as a later launch's does.
     assert {v["parent"] for v in values} == {shared_helper().pid}
     # Two slots on two cores: never three trials at once, and the slots were both used.

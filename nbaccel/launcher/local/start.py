@@ -15,7 +15,7 @@ from pathlib import Path
 
 from nbaccel.config.accelerate.compat import accelerate_env
 from nbaccel.config.resolve import Resolved
-from nbaccel.config.schema import Config, usable_cpu_cores
+from nbaccel.config.schema import Config, worker_threads
 from nbaccel.context import ProcessContext
 from nbaccel.errors import ConfigError
 from nbaccel.hardware.devices import loopback_interface
@@ -130,7 +130,8 @@ def worker_env(
     # What Hugging Face Accelerate reads, so code written for it runs unchanged.
     env.update(accelerate_env(config, on_cpu=on_cpu))
     # Threads are sized once per worker (torch.set_num_threads reads this in the worker).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpu_cores() // context.local_world_size)))
+    inherited = env.get("OMP_NUM_THREADS")
+    env["OMP_NUM_THREADS"] = worker_threads(config, context.local_world_size, inherited)
     env["PYTHONUNBUFFERED"] = "1"
     # gloo (and NCCL's bootstrap) bind to whatever the host name resolves to, a LAN address
     # on many machines, and their ports take no authentication. One machine needs nothing

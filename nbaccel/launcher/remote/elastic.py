@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from nbaccel.config.accelerate.compat import accelerate_env
-from nbaccel.config.schema import Config, usable_cpu_cores
+from nbaccel.config.schema import Config, worker_threads
 from nbaccel.hardware.devices import choose_gpus, visible_gpu_count
 from nbaccel.launcher.checks import check_gpus_suffice
 
@@ -61,7 +61,8 @@ def launch_machines(
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir), redirects=Std.NONE, tee=Std.ALL),
     )
     worker_env = accelerate_env(config, on_cpu=config.use_cpu or not gpus) | chosen.worker_env()
-    worker_env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpu_cores() // per_machine)))
+    inherited = worker_env.get("OMP_NUM_THREADS")
+    worker_env["OMP_NUM_THREADS"] = worker_threads(config, per_machine, inherited)
     args = ["-u", "-m", "nbaccel.launcher.bootstrap.script", json.dumps(worker_env)]
     args += ["-m", target] if is_module else [target]
     try:

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 
 from nbaccel.config.accelerate.compat import accelerate_env
-from nbaccel.config.schema import Config, usable_cpu_cores
+from nbaccel.config.schema import Config, worker_threads
 from nbaccel.context import ProcessContext
 from nbaccel.errors import ConfigError
 from nbaccel.hardware.devices import loopback_interface
@@ -113,8 +113,8 @@ def local_worker_env(config: Config, planned: Planned) -> dict[str, str]:
     env = accelerate_env(config, on_cpu=not planned.gpus)
     if config.gpu_ids != "all":  # the GPUs chosen (api.plan put them in the plan's env)
         env["CUDA_VISIBLE_DEVICES"] = planned.env["CUDA_VISIBLE_DEVICES"]
-    threads = planned.env.get("OMP_NUM_THREADS")
-    env["OMP_NUM_THREADS"] = threads or str(max(1, usable_cpu_cores() // planned.world_size))
+    inherited = planned.env.get("OMP_NUM_THREADS")
+    env["OMP_NUM_THREADS"] = worker_threads(config, planned.world_size, inherited)
     env["PYTHONUNBUFFERED"] = "1"
     loopback = loopback_interface()
     if loopback is not None:

@@ -182,3 +182,27 @@ def test_an_interrupted_optuna_trial_is_told_it_failed_not_left_running() -> Non
     assert trial.state == "cancelled"
     assert [t.state.name for t in study.trials] == ["FAIL"]
     assert packer.take() == Slot(0)  # its slot is free again
+
+
+def test_a_diverged_trial_is_never_the_best() -> None:
+    sweep = sweep_of([("succeeded", [float("nan")]), ("succeeded", [0.1])])
+    assert sweep.best is not None and sweep.best["trial"] == 1
+
+
+def test_a_trial_that_finished_before_its_stop_took_effect_succeeded() -> None:
+    from nbaccel.events import RunEnded, RunState
+    from nbaccel.sweeps.scheduler import Scheduler
+
+    trial = Trial(0, {"lr": 1.0}, state="running", slot=Slot(0), ending="pruned")
+    sweep = Sweep([trial], "loss", "min")
+    packer = Packer((), 1, cpu_slots=1)
+    packer.take()
+    scheduler = Scheduler(print, Configs([]), packer, sweep, {})
+    scheduler._running[0] = trial
+    scheduler._take((trial, RunEnded(RunState.SUCCEEDED, None, 1.0, 0.0)))
+    assert trial.state == "succeeded"
+    stopped = Trial(1, {}, state="running", slot=Slot(0), ending="pruned")
+    packer.take()
+    scheduler._running[1] = stopped
+    scheduler._take((stopped, RunEnded(RunState.CANCELLED, None, 1.0, 0.0)))
+    assert stopped.state == "pruned"
