@@ -3,7 +3,7 @@ each rank's memory, and a Release button that ends them (their processes, and wi
 the device memory they hold). Text elsewhere: one line saying how to reach them.
 
 Made on the thread that takes the workers over, once the function returned on every rank
-(``launcher.run_kept``), in the launching cell's context, so that it lands in that cell.
+(``launcher.outcome.kept``), in the launching cell's context, so that it lands in that cell.
 Updated after each call of the workers and when they end (``workers.watch``).
 """
 
