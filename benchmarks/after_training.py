@@ -84,15 +84,12 @@ TRIPS = 20  # round trips per round
 # --------------------------------------------------------------------------- on the ranks
 
 
-def train_gpt(spec: dict[str, Any]) -> Any:
-    """nbaccel's Accelerator, a few AdamW steps; returns the unwrapped model (DDP), or the
-    last loss (``spec["model"]`` false: the state dict is found through the Accelerator)."""
+def _steps(acc: Any) -> tuple[Any, Any]:
+    """The same few AdamW steps under either framework's Accelerator: the prepared model
+    and the last loss."""
     import torch
     import transformers
 
-    from nbaccel import Accelerator
-
-    acc = Accelerator()
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -103,6 +100,16 @@ def train_gpt(spec: dict[str, Any]) -> Any:
         acc.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+    return model, loss
+
+
+def train_gpt(spec: dict[str, Any]) -> Any:
+    """nbaccel's Accelerator, a few AdamW steps; returns the unwrapped model (DDP), or the
+    last loss (``spec["model"]`` false: the state dict is found through the Accelerator)."""
+    from nbaccel import Accelerator
+
+    acc = Accelerator()
+    model, loss = _steps(acc)
     return acc.unwrap_model(model) if spec.get("model") else float(loss.detach())
 
 
@@ -146,16 +153,7 @@ def accelerate_train(folder: str, out: str) -> None:
     import accelerate
 
     acc = accelerate.Accelerator()
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(CONFIG)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = acc.prepare(model, optimizer)
-    for _ in range(TRAIN["steps"]):
-        ids = torch.randint(0, GPT["vocab_size"], (TRAIN["batch"], TRAIN["seq"]))
-        loss = model(input_ids=ids, labels=ids).loss
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+    model, _ = _steps(acc)
     started = time.perf_counter()
     acc.wait_for_everyone()
     acc.save_model(model, folder)

@@ -68,14 +68,21 @@ CHECK = textwrap.dedent("""
 ENDED_STATES = ["succeeded", "stopped", "succeeded", "succeeded"]
 
 
-def test_sweep_board_stops_a_trial(lab_page: LabPage) -> None:
-    notebook = lab_page.lab.write_notebook("sweep_board.ipynb", [SETUP, LAUNCH, CHECK])
+def board_of_second_cell(lab_page: LabPage, notebook: Any) -> tuple[Any, Any]:
+    """Open ``notebook``, run its setup and its sweep cell; that cell's output area and the
+    sweep board in it, once shown (60 s at most)."""
     lab_page.open(notebook)
     run_cell(lab_page, 0)
     run_cell(lab_page, 1)
     output = lab_page.cell(1).locator(".jp-OutputArea.jp-Cell-outputArea")
     board = output.locator(".nbaccel-sweep-board")
     lab_page.wait_for_output(1, board, 60)
+    return output, board
+
+
+def test_sweep_board_stops_a_trial(lab_page: LabPage) -> None:
+    notebook = lab_page.lab.write_notebook("sweep_board.ipynb", [SETUP, LAUNCH, CHECK])
+    output, board = board_of_second_cell(lab_page, notebook)
     lab_page.mark("board")
     table = board.locator(".nbaccel-sweep-table")
     rows = table.locator("tr.nbaccel-sweep-row")
@@ -180,12 +187,7 @@ def test_a_blocking_sweeps_board_says_to_interrupt_and_the_interrupt_stops_it(
     lab_page: LabPage,
 ) -> None:
     notebook = lab_page.lab.write_notebook("sweep_board_blocking.ipynb", [SETUP, BLOCKING])
-    lab_page.open(notebook)
-    run_cell(lab_page, 0)
-    run_cell(lab_page, 1)
-    output = lab_page.cell(1).locator(".jp-OutputArea.jp-Cell-outputArea")
-    board = output.locator(".nbaccel-sweep-board")
-    lab_page.wait_for_output(1, board, 60)
+    output, board = board_of_second_cell(lab_page, notebook)
     rows = board.locator(".nbaccel-sweep-table tr.nbaccel-sweep-row")
 
     def states() -> list[str]:
