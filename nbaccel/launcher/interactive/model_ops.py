@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +78,14 @@ def find_model(name: str | None, namespace: Mapping[str, Any]) -> torch.nn.Modul
         model: torch.nn.Module = accelerator._prepared.models[0]
         return model
     result = namespace.get("result")
-    values = result.values() if isinstance(result, Mapping) else result
-    candidates = [result] if isinstance(result, torch.nn.Module) else list(_modules(values))
+    if isinstance(result, torch.nn.Module):
+        candidates = [result]
+    elif isinstance(result, Mapping):  # the one module in what the function returned
+        candidates = [v for v in result.values() if isinstance(v, torch.nn.Module)]
+    elif isinstance(result, (list, tuple)):
+        candidates = [v for v in result if isinstance(v, torch.nn.Module)]
+    else:
+        candidates = []
     if len(candidates) == 1:
         return candidates[0]
     raise LookupError(
@@ -88,12 +94,6 @@ def find_model(name: str | None, namespace: Mapping[str, Any]) -> torch.nn.Modul
         "workers.state_dict('model') (an expression in the ranks' namespace, such as "
         "\"result['model']\")."
     )
-
-
-def _modules(values: Any) -> Iterable[torch.nn.Module]:
-    if isinstance(values, (list, tuple)) or type(values).__name__ == "dict_values":
-        return (v for v in values if isinstance(v, torch.nn.Module))
-    return ()
 
 
 def _accelerator() -> Any:
