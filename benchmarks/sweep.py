@@ -15,9 +15,10 @@ and keeps torch to one thread (``torch.set_num_threads(1)``): one core per trial
    the loop (alone on the machine), and from the runs' own timings: each trial's seconds as
    the sweep saw them (slot taken -> ended) minus its ``compute``, median. Against a warm
    launch: ``nbaccel.notebook_launcher(noop, num_processes=1, use_cpu=True)``, call ->
-   returned, median of 5. Goal: overhead <= the warm launch. Beside it the loop's own
-   per-trial overhead (loop wall / trials - compute): a launch of the real trial, whose
-   function and model are built outside ``compute``.
+   returned, median of 5. The launch's part: each trial's seconds minus the function's own
+   (``inside``: entry to return, the model built and the metric logged as well as the loop),
+   median; goal: that <= a warm launch, of ``noop`` and of the same trial alone (the loop's
+   wall / trials - the function's own; beside it the loop's wall / trials - compute).
 3. **Peers.** Optuna's own ``study.optimize(objective, n_trials=16, n_jobs=2)``: the same
    training in the driver's threads (each trial a ``GridSampler`` point; torch set to one
    thread for it), call -> returned. Ray Tune (``--ray-python PATH``: a Python with ray and
@@ -106,12 +107,16 @@ def fit(config: dict[str, Any], x: Any = None, y: Any = None) -> dict[str, float
 
 
 def trial(config: dict[str, Any]) -> dict[str, float]:
-    """One nbaccel trial: fit, its loss logged (the sweep's metric)."""
+    """One nbaccel trial: fit, its loss logged (the sweep's metric). ``inside``: the function's
+    own seconds, entry to return (the model built, the loop, the log), which no launcher owes."""
+    import time
+
     import nbaccel
 
+    entered = time.perf_counter()
     done = fit(config)
     nbaccel.log_metrics({"loss": done["loss"]}, step=config["steps"])
-    return done
+    return {**done, "inside": time.perf_counter() - entered}
 
 
 def noop() -> int:
@@ -141,22 +146,29 @@ def run_sweep(steps: int, runs_dir: str, threads: int | None = 1, count: int = T
     states = [t.state for t in sweep.trials]
     assert states == ["succeeded"] * count, states
     computes = [run.result()["compute"] for run in sweep.runs]
+    insides = [run.result()["inside"] for run in sweep.runs]
     seen = [t.seconds for t in sweep.trials]
     overheads = [s - c for s, c in zip(seen, computes, strict=True) if s is not None]
-    return {"wall": wall, "compute": median(computes), "seen_overhead": median(overheads)}
+    launches = [s - i for s, i in zip(seen, insides, strict=True) if s is not None]
+    return {
+        "wall": wall, "compute": median(computes), "inside": median(insides),
+        "seen_overhead": median(overheads), "seen_launch": median(launches),
+    }  # fmt: skip
 
 
 def run_loop(steps: int, runs_dir: str) -> dict:
     import nbaccel
 
     started = time.perf_counter()
-    computes = []
+    computes, insides = [], []
     for config in configs(steps):
         done = nbaccel.notebook_launcher(
             trial, args=(config,), num_processes=1, use_cpu=True, dashboard=False, runs_dir=runs_dir
         )
         computes.append(done["compute"])
-    return {"wall": time.perf_counter() - started, "compute": median(computes)}
+        insides.append(done["inside"])
+    wall = time.perf_counter() - started
+    return {"wall": wall, "compute": median(computes), "inside": median(insides)}
 
 
 def warm_launch(runs_dir: str, times: int = 5) -> float | None:
@@ -318,7 +330,9 @@ def main() -> int:
             add("compute in sweep", sweep["compute"])
             add("overhead", sweep["wall"] * SLOTS / TRIALS - loop["compute"])
             add("seen overhead", sweep["seen_overhead"])
+            add("seen launch", sweep["seen_launch"])
             add("loop overhead", loop["wall"] / TRIALS - loop["compute"])
+            add("loop launch", loop["wall"] / TRIALS - loop["inside"])
             add("warm", warm_launch(runs_dir))
             optuna_done = run_optuna(args.steps)
             add("optuna", optuna_done["wall"])
@@ -352,15 +366,20 @@ def report(rows: dict[str, list[float]]) -> list[str]:
     def m(name: str) -> float | None:
         return median(rows.get(name, []))
 
-    def s(name: str, unit: str = "s") -> str:
+    def s(name: str, unit: str = "s", digits: int = 2) -> str:
         value = m(name)
         if value is None:
             return "-"
-        every = ", ".join(f"{v:.2f}" for v in rows[name])
-        return f"{value:.2f} {unit} ({every})" if len(rows[name]) > 1 else f"{value:.2f} {unit}"
+        every = ", ".join(f"{v:.{digits}f}" for v in rows[name])
+        alone = f"{value:.{digits}f} {unit}"
+        return f"{alone} ({every})" if len(rows[name]) > 1 else alone
 
     ratio, overhead, warm = m("ratio"), m("overhead"), m("warm")
-    seen = m("seen overhead")
+    seen, launch, alone = m("seen overhead"), m("seen launch"), m("loop launch")
+
+    def s3(name: str) -> str:
+        return s(name, digits=3)
+
     lines = [
         f"1. nbaccel.sweep, {TRIALS} trials on {SLOTS} slots        {s('sweep')}",
         f"   the same trials in a notebook_launcher loop    {s('loop')}",
@@ -370,10 +389,14 @@ def report(rows: dict[str, list[float]]) -> list[str]:
         f"{s('compute in sweep')}",
         f"2. per-trial overhead (wall x slots / trials - compute alone)  {s('overhead')}"
         + (f"  goal <= warm launch  {verdict(overhead <= warm)}" if overhead and warm else ""),
-        f"   per-trial overhead seen by the sweep (seconds - compute)   {s('seen overhead')}"
+        f"   per-trial overhead seen by the sweep (seconds - compute)   {s3('seen overhead')}"
         + (f"  {verdict(seen <= warm)}" if seen and warm else ""),
-        f"   warm launch, notebook_launcher(noop), median of 5           {s('warm')}",
-        f"   the loop's per-trial overhead (wall / trials - compute)     {s('loop overhead')}",
+        f"   the launch's part of it (seconds - the function's own)     {s3('seen launch')}"
+        + (f"  <= noop's  {verdict(launch <= warm)}" if launch and warm else "")
+        + (f"  <= the trial's  {verdict(launch <= alone)}" if launch and alone else ""),
+        f"   warm launch, notebook_launcher(noop), median of 5           {s3('warm')}",
+        f"   the loop's per-trial overhead (wall / trials - compute)     {s3('loop overhead')}",
+        f"   the loop's launch part (wall / trials - the function's own) {s3('loop launch')}",
         f"3. Optuna study.optimize(n_jobs={SLOTS}), threads in-process     {s('optuna')}"
         f"  (a trial's compute {s('optuna compute')})",
         f"   sweep / Optuna                                              {s('optuna ratio', 'x')}",
