@@ -28,10 +28,10 @@ transformers imported):
    memory while each runs, in separate calls from the timed ones (the sampling takes CPU): a
    thread reads every ~2 ms the driver's and both workers' ``RssAnon`` (``/proc/PID/status``)
    plus the machine's ``Shmem`` (``/proc/meminfo``): a memfd segment counts once there, mapped
-   or not, while a process's PSS sees only the pages it has touched through a mapping (rank 0
-   writes with ``pwrite``, the kernel maps lazily), and reading PSS walks every page (tens of
-   ms); the sum of PSS (``/proc/PID/smaps_rollup``, every 10th sample) is shown beside it.
-   Peak minus the value just before the call; other jobs' shared memory moves it a little.
+   or not, while a process's PSS sees only the pages it has touched through a mapping (the
+   ranks unmap the segment once written, the kernel maps lazily), and reading PSS walks every
+   page (tens of ms); the sum of PSS (``/proc/PID/smaps_rollup``, every 10th sample) is shown
+   beside it. Peak minus the value just before the call; other jobs' shared memory moves it.
    Goal: peak <= one full copy (the returned bytes) plus one shard (a copy / 2) above the
    baseline. The first call after training is kept apart (FSDP frees memory in it).
 3. **``workers.map`` over 50,000 samples** (an MLP 256 -> 1024 -> 1024 -> 10 trained two
@@ -391,7 +391,8 @@ def _aliased(state: dict[str, Any]) -> bool:
 
 def floor(size: int, rounds: int) -> dict[str, float]:
     """This machine's floor for ``size`` bytes into fresh memory, in one process: a tensor
-    cloned, and pwritten into a new memfd (what rank 0 does, less the gathers)."""
+    cloned, and pwritten into a new memfd (4 KiB pages; the ranks write through a mapping
+    on huge pages)."""
     source = torch.randn(size // 4)
     clones, writes = [], []
     for _ in range(rounds):

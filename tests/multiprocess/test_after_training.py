@@ -263,11 +263,51 @@ def test_fsdp2_weights_are_gathered_whole_into_the_kernel(runs_dir: str) -> None
             return int(model.state_dict()["0.weight"].to_local().shape[0])
 
         assert workers.run(shard_rows) == {0: 32, 1: 32}  # sharded on the ranks
+        workers.run(count_gathers)
         state = workers.state_dict()
         assert tuple(state["0.weight"].shape) == (64, 16)  # whole in the kernel
         assert digest_of(state) == value["weights"]  # what get_state_dict gathers, exactly
+        # Each rank wrote its own rows (2.weight's 3 rows: 2 on rank 0, 1 on rank 1): no
+        # weight went through a collective.
+        assert workers.run(gathers_counted) == {0: 0, 1: 0}
+        # Where a rank cannot open rank 0's segment (another machine), every entry is
+        # gathered instead, with the same result.
+        workers.run(segment_unreachable_on_rank_1)
+        again = workers.state_dict()
+        assert digest_of(again) == value["weights"]
+        assert workers.run(gathers_counted) == {0: 4, 1: 4}  # 2 weights and 2 biases
     finally:
         workers.close()
+
+
+def count_gathers() -> None:
+    """On a rank: count DTensor.full_tensor calls from now on (``gathers_counted``)."""
+    from torch.distributed.tensor import DTensor
+
+    original = DTensor.full_tensor
+    calls = [0]
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    DTensor.full_tensor = counted  # type: ignore[method-assign]
+    globals()["gather_calls"] = calls
+
+
+def gathers_counted() -> int:
+    calls = globals()["gather_calls"]
+    count, calls[0] = calls[0], 0
+    return int(count)
+
+
+def segment_unreachable_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    from nbaccel.launcher.interactive import state_export
+
+    if dist.get_rank() == 1:
+        state_export._open_segment = lambda pid, fd, token: -1  # type: ignore[assignment]
 
 
 def test_gather_for_metrics_keeps_the_dataset_order_inside_a_launch(runs_dir: str) -> None:

@@ -69,6 +69,7 @@ WORKER_SIDE_LAUNCHER = (
     "nbaccel.launcher.local.helper_main",
     "nbaccel.launcher.interactive.serve",
     "nbaccel.launcher.interactive.model_ops",
+    "nbaccel.launcher.interactive.state_export",
 )
 # The modules behind ``nbaccel.utils`` that run in workers and import torch (the package
 # itself loads them lazily; it and nbaccel.utils.availability stay torch-free).

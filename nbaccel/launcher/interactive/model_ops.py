@@ -1,15 +1,8 @@
 """What interactive workers do with a trained model, on each rank (``serve``'s operations
 ``state_dict`` and ``map``; the kernel's side is ``after_training.py``).
 
-``state_dict``: the model's whole state dict, unsharded, into the kernel through one
-shared-memory segment. Every rank walks the model's state dict in the same order; a
-sharded entry (an FSDP2 ``DTensor``) is gathered one at a time (``full_tensor``, a
-collective), and rank 0 writes each gathered tensor, on the CPU, straight into the segment
-at its place, then drops it. So rank 0 holds at most the segment (one full copy), its own
-shard and one gathered tensor; the others their shard and one gathered tensor. The reply is
-a small pickle whose tensors view the segment (``sharing.tensors.rebuild_tensor``), so the
-kernel maps it: no copy, no pickle of the weights. DeepSpeed gathers through its engine
-(``Accelerator.get_state_dict``: the whole dict on rank 0 first).
+``state_dict``: which model (``find_model``) and its entries unwrapped (``full_entries``);
+``state_export`` writes them into the kernel's shared memory.
 
 ``map``: ``fn(batch)`` over a dataset split across the ranks as a prepared ``DataLoader``
 splits an unshuffled one (``rank_batches``: global batch ``b`` goes to rank ``b % world``,
@@ -21,47 +14,13 @@ the dataset's order (``after_training.in_dataset_order``) and drops the padding.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pickle
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from nbaccel.context import active_session
 from nbaccel.launcher.interactive.after_training import joined
-from nbaccel.launcher.sharing import memfd
-from nbaccel.launcher.sharing.packing import Packed
-from nbaccel.launcher.sharing.segments import Segment, aligned, writable
-from nbaccel.launcher.sharing.tensors import rebuild_tensor
-
-
-@dataclass
-class Prepacked:
-    """A reply value already packed, its buffers in ``segment`` (``serve`` sends it as is)."""
-
-    packed: Packed
-    segment: Segment | None
-
-
-class _Placed:
-    """A tensor of the segment, pickled as ``rebuild_tensor`` of the buffer at its place."""
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.dtype, self.shape = str(dtype).removeprefix("torch."), shape
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # A writable stand-in: the buffer travels out of band (the segment at its offset),
-        # and a read-only one would make the kernel copy it.
-        return rebuild_tensor, (
-            pickle.PickleBuffer(bytearray(1)),
-            self.dtype,
-            self.shape,
-            False,
-            False,
-        )
 
 
 def find_model(name: str | None, namespace: Mapping[str, Any]) -> torch.nn.Module:
@@ -103,7 +62,7 @@ def _accelerator() -> Any:
 
 def full_entries(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """The model's state dict entries, unwrapped (no ``module.`` or ``_orig_mod.``), sharded
-    ones as they are: gathered one by one by ``export_state``."""
+    ones as they are (``state_export`` puts them together)."""
     accelerator = _accelerator()
     if accelerator is not None and any(model is m for m in accelerator._prepared.models):
         if accelerator.strategy.checkpoint_layout == "deepspeed":
@@ -114,101 +73,6 @@ def full_entries(model: torch.nn.Module) -> list[tuple[str, Any]]:
             model = inner
         model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     return list(model.state_dict().items())
-
-
-def export_state(entries: list[tuple[str, Any]], rank: int) -> Prepacked | None:
-    """Every rank: gather each entry in turn; rank 0 writes it into one new segment and
-    returns the reply (None on the others). Entries that share a tensor (tied weights, such
-    as a language model's embedding and output layer) are written once and arrive as one
-    tensor under both keys, as ``state_dict`` has them."""
-    places: dict[str, tuple[int, int]] = {}  # key -> where its tensor goes (offset, bytes)
-    first_of: dict[tuple[Any, ...], str] = {}  # a tensor's identity -> its first key
-    tied: dict[str, str] = {}  # key -> the key whose tensor it shares
-    size = 0
-    for key, value in entries:
-        if not isinstance(value, torch.Tensor) or not value.numel():
-            continue  # empty tensors and extra state: inside the pickle
-        identity = _identity(value)
-        if identity in first_of:
-            tied[key] = first_of[identity]
-            continue
-        first_of[identity] = key
-        nbytes = value.numel() * value.element_size()  # a DTensor's: the whole tensor's
-        places[key] = (size, nbytes)
-        size += aligned(nbytes)
-    fd = memfd.new_fd("nbaccel-state") if rank == 0 else -1
-    try:
-        if fd != -1:
-            os.ftruncate(fd, size)
-        with _target(fd, size) as target:
-            state = _write_entries(entries, places, tied, target)
-        if fd == -1:
-            return None
-        memfd.seal(fd)
-        data = pickle.dumps(state, protocol=5, buffer_callback=lambda buffer: False)
-        refs = tuple((0, *places[key]) for key in state if key in places)
-        return Prepacked(Packed(data, refs), Segment(fd, size))
-    except BaseException:
-        if fd != -1:
-            os.close(fd)
-        raise
-
-
-def _write_entries(
-    entries: list[tuple[str, Any]],
-    places: dict[str, tuple[int, int]],
-    tied: dict[str, str],
-    target: memoryview | None,
-) -> dict[str, Any]:
-    """Gather each entry (every rank, in order) and, on rank 0 (``target``), copy it into
-    its place; the state to pickle, in the entries' order."""
-    state: dict[str, Any] = {}
-    for key, value in entries:
-        if key in tied:
-            if target is not None:
-                state[key] = state[tied[key]]  # the same object: one tensor in the kernel
-            continue
-        whole = _gathered(value)
-        if target is None:
-            continue
-        if key not in places:
-            state[key] = whole.detach().cpu() if isinstance(whole, torch.Tensor) else whole
-            continue
-        offset, nbytes = places[key]
-        host = whole.detach().to("cpu").contiguous()
-        target[offset : offset + nbytes] = memoryview(host.view(-1).view(torch.uint8).numpy())
-        state[key] = _Placed(host.dtype, tuple(host.shape))
-        del whole, host  # one gathered tensor at a time
-    return state
-
-
-@contextlib.contextmanager
-def _target(fd: int, size: int) -> Iterator[memoryview | None]:
-    """The segment mapped for writing on rank 0 (``fd`` set and not empty), else None."""
-    if fd == -1 or size == 0:
-        yield memoryview(bytearray()) if fd != -1 else None
-        return
-    with writable(fd, size) as target:
-        yield target
-
-
-def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What two state-dict entries that are one tensor share: their storage, place, shape
-    and dtype (a DTensor's local shard's)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return (
-        local.untyped_storage().data_ptr(),
-        local.storage_offset(),
-        tuple(tensor.shape),
-        tuple(local.stride()),
-        tensor.dtype,
-    )
-
-
-def _gathered(value: Any) -> Any:
-    """A sharded tensor made whole (a collective: every rank calls it, in the same order)."""
-    full_tensor = getattr(value, "full_tensor", None)  # torch.distributed.tensor.DTensor
-    return full_tensor() if callable(full_tensor) else value
 
 
 def map_on_rank(

@@ -41,13 +41,8 @@ from nbaccel.events import SAVE_AND_STOP_SIGNALS
 from nbaccel.launcher.bootstrap.pickling import cell_globals
 from nbaccel.launcher.bootstrap.prctl import flush_c_stdio
 from nbaccel.launcher.bootstrap.worker_bootstrap import dump_result, error_message, pack_result
-from nbaccel.launcher.interactive.model_ops import (
-    Prepacked,
-    export_state,
-    find_model,
-    full_entries,
-    map_on_rank,
-)
+from nbaccel.launcher.interactive.model_ops import find_model, full_entries, map_on_rank
+from nbaccel.launcher.interactive.state_export import Prepacked, export_state
 from nbaccel.launcher.interactive.wire import (
     connect,
     done_mark,
