@@ -280,6 +280,31 @@ def test_fsdp2_weights_are_gathered_whole_into_the_kernel(runs_dir: str) -> None
         workers.close()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"shard_optimizer_state": True}, {"strategy": "fsdp", "fsdp_cpu_offload": True}],
+    ids=["zero1", "fsdp2-cpu-offload"],
+)
+def test_other_strategies_give_the_same_whole_weights(
+    runs_dir: str, options: dict[str, Any]
+) -> None:
+    # ZeRO-1 shards only the optimizer: the weights are whole on every rank. FSDP2 with its
+    # parameters offloaded keeps its shards on the CPU: each rank writes them as they are.
+    value = nbaccel.notebook_launcher(
+        train, num_processes=2, use_cpu=True, keep_workers=True, runs_dir=runs_dir, **options
+    )
+    workers = nbaccel.last_workers()
+    assert workers is not None
+    try:
+        workers.run(count_gathers)
+        state = workers.state_dict()
+        assert sorted(state) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert digest_of(state) == value["weights"]
+        assert workers.run(gathers_counted) == {0: 0, 1: 0}
+    finally:
+        workers.close()
+
+
 def count_gathers() -> None:
     """On a rank: count DTensor.full_tensor calls from now on (``gathers_counted``)."""
     from torch.distributed.tensor import DTensor
