@@ -16,7 +16,7 @@ from nbaccel.launcher.detached.attached import AttachedRun
 from nbaccel.launcher.detached.run_listing import RunsTable, find_run, list_runs
 from nbaccel.launcher.planned import shown
 from nbaccel.launcher.run import Run
-from nbaccel.sweeps.detached import AttachedSweep, find_sweep
+from nbaccel.sweeps.detached import AttachedSweep, find_sweep, show_attached
 from nbaccel.ui.choose import choose_display
 
 
@@ -50,7 +50,7 @@ def attach(
     follows the run live; ``stop()``, ``wait()``, ``result()``, ``results()`` and ``logs()``
     work on it, also once it has ended. A sweep's id (``sweep-...``, from
     ``sweep(..., detach=True)``) gives the detached sweep: its ``table``, ``best``,
-    ``wait()``, ``stop()``.
+    ``wait()``, ``stop()``, and in a kernel its board, live.
 
     >>> import nbaccel, tempfile
     >>> nbaccel.attach(runs_dir=tempfile.mkdtemp())
@@ -58,7 +58,8 @@ def attach(
     ValueError: no detached run under ...: launch one with detach=True.
     """
     if run_id.startswith("sweep-"):
-        return find_sweep(_runs_dir(runs_dir), run_id)
+        choose_display(dashboard, blocking=False)  # a wrong choice fails before anything
+        return show_attached(find_sweep(_runs_dir(runs_dir), run_id), dashboard)
     run = AttachedRun(find_run(_runs_dir(runs_dir), run_id))
     shown(choose_display(dashboard, blocking=False)(run, run.gpus))
     run.connect()

@@ -113,6 +113,7 @@ def sweep(
                 n_trials,
                 trial_timeout,
                 resolved.config.runs_dir,
+                dashboard,
             )
         watch = _display(dashboard, result, packer, sources.total, wait)
         scheduler = Scheduler(train, sources, packer, result, options, trial_timeout, watch)
@@ -135,9 +136,11 @@ def _detached(
     n_trials: int | None,
     trial_timeout: float | None,
     runs_dir: str,
+    dashboard: str | bool,
 ) -> Sweep:
-    """Hand the sweep to a supervisor of its own (``detached.py``); what follows it."""
-    from nbaccel.sweeps.detached import start_detached, sweeps_dir
+    """Hand the sweep to a supervisor of its own (``detached.py``); what follows it, with
+    its board in a kernel."""
+    from nbaccel.sweeps.detached import show_attached, start_detached, sweeps_dir
 
     study, storage = sources.study, None
     if study is not None:
@@ -176,7 +179,7 @@ def _detached(
         f"nbaccel: sweep {result.sweep_id} runs detached (supervisor pid {attached.pid}): "
         f"nbaccel.attach({result.sweep_id!r}) finds it again from any kernel\n"
     )
-    return attached
+    return show_attached(attached, dashboard)
 
 
 def _run_quietly(scheduler: Scheduler) -> None:

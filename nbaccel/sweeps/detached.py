@@ -6,7 +6,8 @@ Optuna study is stored; the launch settings) to a private file, and starts a sup
 its own, in a session of its own (``python -m nbaccel.sweeps.supervisor``), which runs the
 sweep's loop: its trials are launches of that process. After every change the supervisor
 writes the sweep's state to ``runs_dir/sweeps/<sweep id>/sweep.json`` (atomically);
-``AttachedSweep`` reads it, from this kernel or any later one (``nbaccel.attach(sweep_id)``).
+``AttachedSweep`` reads it, from this kernel or any later one (``nbaccel.attach(sweep_id)``),
+and ``follow`` reads it again as it changes, for a kernel's sweep board to show it live.
 Stopping is a file the supervisor looks for (``stop``, ``stop-<trial>``), so it needs no
 connection and works from any kernel of the same user.
 """
@@ -19,13 +20,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from nbaccel.launcher.bootstrap.pickling import dumps
+from nbaccel.sweeps.packing import Slot
 from nbaccel.sweeps.trials import Sweep, Trial
 
 HANDSHAKE_SECONDS = 120.0  # the supervisor imports nbaccel and its helper starts
@@ -87,11 +91,16 @@ def _first_line(process: subprocess.Popen[bytes], timeout: float) -> str:
     return data.decode(errors="replace").strip().splitlines()[-1] if data.strip() else ""
 
 
-def write_state(folder: Path, sweep: Sweep, pid: int) -> None:
-    """The sweep as it stands, for ``AttachedSweep`` (written whole, then renamed)."""
+def write_state(
+    folder: Path, sweep: Sweep, pid: int, *, capacity: int = 1, total: int | None = None
+) -> None:
+    """The sweep as it stands, for ``AttachedSweep`` (written whole, then renamed);
+    ``capacity``: trials at once, ``total``: trials to run (for a board)."""
     state = {
         "sweep_id": sweep.sweep_id,
         "pid": pid,
+        "capacity": capacity,
+        "total": total,
         "metric": sweep.metric,
         "mode": sweep.mode,
         "done": sweep.done,
@@ -104,6 +113,7 @@ def write_state(folder: Path, sweep: Sweep, pid: int) -> None:
                 "error": t.error,
                 "seconds": t.seconds,
                 "slot": str(t.slot) if t.slot is not None else "",
+                "slot_at": [t.slot.index, list(t.slot.devices)] if t.slot is not None else None,
                 "run_dir": t.run_dir,
                 "metrics": t.metrics,
             }
@@ -124,6 +134,9 @@ class AttachedSweep(Sweep):
         state = self._read()
         super().__init__([], state["metric"], state["mode"], state["sweep_id"])
         self.pid: int = state["pid"]
+        self.capacity: int = state.get("capacity", 1)
+        self.total: int | None = state.get("total")
+        self.board: Any = None  # the sweep board this kernel shows for it, if any
         self._load(state)
 
     def _read(self) -> dict[str, Any]:
@@ -135,6 +148,9 @@ class AttachedSweep(Sweep):
         for record in state["trials"]:
             trial = Trial(record["number"], record["config"], state=record["state"])
             trial.error, trial.run_dir = record["error"], record["run_dir"]
+            if record.get("slot_at") is not None:
+                index, devices = record["slot_at"]
+                trial.slot = Slot(index, tuple(devices))
             trial.metrics = {
                 k: [(s, v) for s, v in points] for k, points in record["metrics"].items()
             }
@@ -194,6 +210,54 @@ class AttachedSweep(Sweep):
         return (
             super().__repr__().replace("nbaccel.Sweep", f"nbaccel.Sweep (detached {self.sweep_id})")
         )
+
+
+def follow(
+    sweep: AttachedSweep,
+    watch: Callable[[Sweep], None],
+    every: float = 0.5,
+    stop: threading.Event | None = None,
+) -> threading.Thread:
+    """A thread that reads the sweep's state again whenever its file changes (looked at
+    every ``every`` s: another process writes it) and calls ``watch`` with it, as the
+    scheduler calls a board after each change; the last call once the sweep is done (or its
+    supervisor gone). ``stop`` ends it early."""
+    stopping = stop or threading.Event()
+
+    def run() -> None:
+        seen: tuple[int, int] | None = None
+        while not stopping.is_set():
+            try:
+                status = (sweep.folder / STATE).stat()
+                now = (status.st_mtime_ns, status.st_size)
+            except OSError:
+                now = None  # between the write and the rename: looked at next time
+            done = sweep.done  # reads the state again; also true once the supervisor is gone
+            if done or (now is not None and now != seen):
+                seen = now
+                watch(sweep)
+            if done:
+                return
+            stopping.wait(every)
+
+    thread = threading.Thread(target=run, name=f"nbaccel-follow-{sweep.sweep_id}", daemon=True)
+    thread.start()
+    return thread
+
+
+def show_attached(sweep: AttachedSweep, dashboard: str | bool) -> AttachedSweep:
+    """In a Jupyter kernel (``dashboard`` as a launch takes it), the detached sweep's board,
+    kept current from its state file (``follow``); its buttons stop trials as
+    ``stop_trial``/``stop`` do. Elsewhere nothing is shown."""
+    from nbaccel.ui.choose import wants_widgets
+
+    if wants_widgets(dashboard):
+        from nbaccel.ui.sweep_board import SweepBoard  # ipywidgets: only now
+
+        board = SweepBoard(sweep, sweep.capacity, blocking=False, total=sweep.total)
+        sweep.board = board
+        follow(sweep, board)
+    return sweep
 
 
 def find_sweep(runs_dir: str | os.PathLike[str], sweep_id: str) -> AttachedSweep:

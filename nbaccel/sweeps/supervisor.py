@@ -45,7 +45,7 @@ def main(plan_file: str) -> int:
 
     def watch(changed: Sweep) -> None:
         with lock:
-            write_state(folder, changed, os.getpid())
+            write_state(folder, changed, os.getpid(), capacity=packer.capacity, total=configs.total)
 
     watch(sweep)
     print(READY, flush=True)
