@@ -81,7 +81,8 @@ def export_state(entries: list[tuple[str, Any]], rank: int) -> Prepacked | None:
     model's embedding and output layer) are written once and arrive as one tensor under both
     keys, as ``state_dict`` has them."""
     layout = _layout(entries)
-    token = secrets.token_hex(8)  # rank 0's names its segment, for the others to check it
+    # Rank 0's segment carries a random token in its name, for the others to check it.
+    token = secrets.token_hex(8) if rank == 0 else ""
     fd = memfd.new_fd(f"nbaccel-state-{token}") if rank == 0 else -1
     try:
         if fd != -1:
@@ -141,8 +142,8 @@ def _direct_rows(
     world = dist.get_world_size()
     named: list[Any] = [(os.getpid(), fd, token) if rank == 0 else None]
     dist.broadcast_object_list(named, src=0)
-    pid, segment_fd, name_token = named[0]  # rank 0's: the others' own tokens are unused
-    own = fd if rank == 0 else _open_segment(pid, segment_fd, name_token)
+    pid, segment_fd, token = named[0]
+    own = fd if rank == 0 else _open_segment(pid, segment_fd, token)
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, (own != -1, local))
     whole = {key: dict(entries)[key].shape[0] for key in local}
