@@ -112,7 +112,6 @@ def write_state(
                 "state": t.state,
                 "error": t.error,
                 "seconds": t.seconds,
-                "slot": str(t.slot) if t.slot is not None else "",
                 "slot_at": [t.slot.index, list(t.slot.devices)] if t.slot is not None else None,
                 "run_dir": t.run_dir,
                 "metrics": t.metrics,
@@ -140,8 +139,27 @@ class AttachedSweep(Sweep):
         self._load(state)
 
     def _read(self) -> dict[str, Any]:
+        self._seen = self._version()  # before reading: a write in between is read next time
         loaded: dict[str, Any] = json.loads((self.folder / STATE).read_text())
         return loaded
+
+    def _version(self) -> tuple[int, int, int] | None:
+        """Which write of the state file is there (each is a new file renamed into place)."""
+        try:
+            status = (self.folder / STATE).stat()
+        except OSError:
+            return None
+        return status.st_ino, status.st_mtime_ns, status.st_size
+
+    def _reread(self) -> bool:
+        """Read the state again if the supervisor has written it since (True then); else
+        only look whether the supervisor is still there (a gone one ends the sweep)."""
+        if self._version() not in (None, self._seen):
+            self._load(self._read())
+            return True
+        if not self._done.is_set() and not self._supervisor_alive():
+            self._done.set()
+        return False
 
     def _load(self, state: dict[str, Any]) -> None:
         trials = []
@@ -162,8 +180,8 @@ class AttachedSweep(Sweep):
             self._done.set()
 
     def refresh(self) -> AttachedSweep:
-        """Read the sweep's state again (``table`` and ``best`` do)."""
-        self._load(self._read())
+        """The sweep's state as last written (``table`` and ``best`` read it again)."""
+        self._reread()
         return self
 
     def rows(self) -> list[dict[str, Any]]:
@@ -179,7 +197,7 @@ class AttachedSweep(Sweep):
 
     @property
     def done(self) -> bool:
-        self.refresh()
+        self._reread()
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> AttachedSweep:
@@ -213,32 +231,18 @@ class AttachedSweep(Sweep):
 
 
 def follow(
-    sweep: AttachedSweep,
-    watch: Callable[[Sweep], None],
-    every: float = 0.5,
-    stop: threading.Event | None = None,
+    sweep: AttachedSweep, watch: Callable[[Sweep], None], every: float = 0.5
 ) -> threading.Thread:
-    """A thread that reads the sweep's state again whenever its file changes (looked at
-    every ``every`` s: another process writes it) and calls ``watch`` with it, as the
-    scheduler calls a board after each change; the last call once the sweep is done (or its
-    supervisor gone). ``stop`` ends it early."""
-    stopping = stop or threading.Event()
+    """A thread that calls ``watch`` with the sweep as it stands, then again whenever the
+    supervisor rewrites its state (looked at every ``every`` s), as the scheduler calls a
+    board after each change; the last call once the sweep is done (or its supervisor gone)."""
 
     def run() -> None:
-        seen: tuple[int, int] | None = None
-        while not stopping.is_set():
-            try:
-                status = (sweep.folder / STATE).stat()
-                now = (status.st_mtime_ns, status.st_size)
-            except OSError:
-                now = None  # between the write and the rename: looked at next time
-            done = sweep.done  # reads the state again; also true once the supervisor is gone
-            if done or (now is not None and now != seen):
-                seen = now
+        watch(sweep)
+        while not sweep._done.is_set():
+            time.sleep(every)  # another process writes the file: looked at, not waited on
+            if sweep._reread() or sweep._done.is_set():
                 watch(sweep)
-            if done:
-                return
-            stopping.wait(every)
 
     thread = threading.Thread(target=run, name=f"nbaccel-follow-{sweep.sweep_id}", daemon=True)
     thread.start()

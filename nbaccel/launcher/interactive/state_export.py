@@ -132,13 +132,10 @@ def _direct_rows(
     row of its shard of each row-sharded entry); None where the entries are to be gathered.
     A collective when any entry is row-sharded (decided alike on every rank: the
     placements are the same), and its answer is the same on every rank."""
-    local = {
-        key: int(value.to_local().shape[0])
-        for key, value in entries
-        if key in layout.places and _row_sharded(value)
-    }
-    if not local:
+    sharded = {key: value for key, value in entries if key in layout.places and _row_sharded(value)}
+    if not sharded:
         return None
+    local = {key: int(value.to_local().shape[0]) for key, value in sharded.items()}
     world = dist.get_world_size()
     named: list[Any] = [(os.getpid(), fd, token) if rank == 0 else None]
     dist.broadcast_object_list(named, src=0)
@@ -146,9 +143,8 @@ def _direct_rows(
     own = fd if rank == 0 else _open_segment(pid, segment_fd, token)
     rows: list[Any] = [None] * world
     dist.all_gather_object(rows, (own != -1, local))
-    whole = {key: dict(entries)[key].shape[0] for key in local}
     if not all(opened for opened, _ in rows) or any(
-        sum(shard[key] for _, shard in rows) != whole[key] for key in local
+        sum(shard[key] for _, shard in rows) != value.shape[0] for key, value in sharded.items()
     ):
         if rank != 0 and own != -1:
             os.close(own)
