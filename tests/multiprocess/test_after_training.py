@@ -305,6 +305,50 @@ def test_other_strategies_give_the_same_whole_weights(
         workers.close()
 
 
+def test_a_failed_state_dict_call_leaves_the_next_one_as_the_first(runs_dir: str) -> None:
+    # FSDP2, each rank writing its rows: rank 1 fails while writing. Every rank hears of it
+    # (no rank left waiting in a collective), the call raises naming rank 1, and the next
+    # calls give the same weights as an unbroken one; a bad name fails before any collective.
+    value = nbaccel.notebook_launcher(
+        train, num_processes=2, use_cpu=True, keep_workers=True, strategy="fsdp",
+        runs_dir=runs_dir,
+    )  # fmt: skip
+    workers = nbaccel.last_workers()
+    assert workers is not None
+    try:
+        workers.run(rank_1_cannot_write)
+        with pytest.raises(Exception, match="disk gone on rank 1"):
+            workers.state_dict()
+        workers.run(rank_1_writes_again)
+        with pytest.raises(Exception, match="no_such_model"):
+            workers.state_dict("no_such_model")
+        for _ in range(2):
+            assert digest_of(workers.state_dict()) == value["weights"]
+    finally:
+        workers.close()
+
+
+def rank_1_cannot_write() -> None:
+    import torch.distributed as dist
+
+    from nbaccel.launcher.interactive import state_export
+
+    original = state_export._copy
+    globals()["original_copy"] = original
+
+    def failing(*args: Any) -> None:
+        raise OSError("disk gone on rank 1")
+
+    if dist.get_rank() == 1:
+        state_export._copy = failing  # type: ignore[assignment]
+
+
+def rank_1_writes_again() -> None:
+    from nbaccel.launcher.interactive import state_export
+
+    state_export._copy = globals()["original_copy"]  # type: ignore[assignment]
+
+
 def count_gathers() -> None:
     """On a rank: count DTensor.full_tensor calls from now on (``gathers_counted``)."""
     from torch.distributed.tensor import DTensor
