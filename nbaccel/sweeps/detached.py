@@ -30,7 +30,7 @@ import psutil
 
 from nbaccel.launcher.bootstrap.pickling import dumps
 from nbaccel.sweeps.packing import Slot
-from nbaccel.sweeps.trials import Sweep, Trial
+from nbaccel.sweeps.trials import SHOWN_WAIT, Sweep, Trial
 
 HANDSHAKE_SECONDS = 120.0  # the supervisor imports nbaccel and its helper starts
 STATE = "sweep.json"
@@ -207,6 +207,8 @@ class AttachedSweep(Sweep):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"sweep {self.sweep_id} still runs after {timeout} s")
             self._done.wait(0.2)  # the state file is written by another process: read again
+        if self.board is not None:  # its follower's last call: the board's summary is out
+            self._shown.wait(SHOWN_WAIT)
         return self
 
     def stop(self) -> None:
@@ -238,11 +240,14 @@ def follow(
     board after each change; the last call once the sweep is done (or its supervisor gone)."""
 
     def run() -> None:
-        watch(sweep)
-        while not sweep._done.is_set():
-            time.sleep(every)  # another process writes the file: looked at, not waited on
-            if sweep._reread() or sweep._done.is_set():
-                watch(sweep)
+        try:
+            watch(sweep)
+            while not sweep._done.is_set():
+                time.sleep(every)  # another process writes the file: looked at, not waited on
+                if sweep._reread() or sweep._done.is_set():
+                    watch(sweep)
+        finally:
+            sweep._shown.set()
 
     thread = threading.Thread(target=run, name=f"nbaccel-follow-{sweep.sweep_id}", daemon=True)
     thread.start()

@@ -77,7 +77,10 @@ class Scheduler:
                 if trial.state == "pending":
                     trial.state = "cancelled"  # never started: the sweep ended first
             sweep._done.set()
-            self._watch(sweep)
+            try:
+                self._watch(sweep)
+            finally:
+                sweep._shown.set()
 
     # ----- starting ---------------------------------------------------------------
     def _fill_slots(self) -> None:

@@ -69,6 +69,9 @@ def new_sweep_id() -> str:
     return time.strftime("sweep-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
 
+SHOWN_WAIT = 15.0  # how long wait() waits, past the end, for the display's summary
+
+
 class Sweep:
     """What ``nbaccel.sweep`` returns: its trials, as they go and once ended.
 
@@ -87,6 +90,7 @@ class Sweep:
         self.mode = mode
         self.study: Any = None
         self._done = threading.Event()
+        self._shown = threading.Event()  # its display's last call returned: the summary is out
         self._lock = threading.Lock()  # trials change on the scheduler's thread
         self._stop: Callable[[int | None], None] = lambda number: None
         self.error: BaseException | None = None  # what ended the sweep early, if anything
@@ -169,9 +173,11 @@ class Sweep:
 
     # ----- control ------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> Sweep:
-        """Block until every trial has ended (a ``wait=False`` sweep); the sweep."""
+        """Block until every trial has ended (a ``wait=False`` sweep), and its board has
+        left its summary (a cell that waits keeps it in a saved notebook); the sweep."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"the sweep still runs after {timeout} s")
+        self._shown.wait(SHOWN_WAIT)  # bounded: a display that broke must not hold the cell
         return self
 
     def stop(self) -> None:

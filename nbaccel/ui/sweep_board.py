@@ -15,8 +15,11 @@ and the static summary, so a blocking sweep returns only once they are out.
 The summary replaces the live widgets in their place: the table as HTML (with a line
 naming the best trial) and the curves as a PNG, written with ``update_display_data`` into
 the outputs reserved when the board was shown, so a saved notebook keeps them; then the
-widgets close (ipywidgets keeps every widget until closed). Displays from the UI thread
-run in the calling cell's ``contextvars`` context, as ``interactive/call_display.py``'s.
+widgets close (ipywidgets keeps every widget until closed). Those updates go out from the
+UI thread under whatever cell the kernel runs by then, as the launch dashboard's do: a
+frontend (JupyterLab, or nbclient saving the notebook) applies them to the outputs with
+those ids wherever they are, where one sent under the calling cell's finished request is
+dropped (a ``wait=False`` or detached sweep ends after its cell).
 
 While a blocking sweep runs, the kernel handles no widget events: its buttons are disabled
 and say that interrupting the kernel (■) stops the sweep; with ``wait=False`` "Stop all"
@@ -32,7 +35,6 @@ are ``tr.nbaccel-sweep-row`` with ``data-trial`` and ``data-state``, the best on
 from __future__ import annotations
 
 import base64
-import contextvars
 import html
 import sys
 import threading
@@ -102,7 +104,6 @@ class SweepBoard:
         self._interval, self._threaded, self._end_wait = interval, threaded, end_wait
         self._clock = clock
         self._began = clock()
-        self._context = contextvars.copy_context()  # the calling cell's: displays land there
         self._changes = 0  # watcher calls and clicks so far (the UI thread writes them)
         self._written_changes = -1
         self._next_write = self._next_tick = 0.0
@@ -379,7 +380,7 @@ class SweepBoard:
                 f"{self.table_html}</div>"
             )
             self.summary_png = self.curves_png
-            self._context.run(self._publish, line, metric)
+            self._publish(line, metric)
         finally:
             self._close_widgets()
             self._finished.set()

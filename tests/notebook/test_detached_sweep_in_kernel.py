@@ -5,6 +5,7 @@ of the sweep's id shows a board of its own."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jupyter_client import BlockingKernelClient, KernelManager
@@ -65,3 +66,19 @@ def test_a_detached_sweep_shows_its_board_live_here_and_when_attached(
     assert reply["status"] == "ok", text
     assert expression(reply, "finished") == "True"
     assert expression(reply, "best") == "{'lr': 0.1}"
+
+
+@pytest.mark.parametrize("how", ["detach=True", "wait=False"])
+def test_the_saved_notebook_keeps_the_summary_of_a_sweep_that_ends_after_its_cell(
+    cells: Any, kernel_dirs: Path, tmp_path: Path, how: str
+) -> None:
+    # The board's summary replaces it by display id once the sweep ends, by then under a
+    # later cell: what nbclient saves (as a frontend shows) must have it in the first cell.
+    start = START.format(runs=str(tmp_path / "runs")).replace("detach=True", how)
+    nb = cells.notebook([("start", start), ("wait", "sweep.wait(120)\nlen(sweep.trials)")])
+    cells.execute(nb, tmp_path)
+    first = cells.cell(nb, "start")
+    cells.assert_ok(first)
+    html = [o.data["text/html"] for o in first.outputs if "text/html" in o.get("data", {})]
+    assert len(html) == 1 and "2 trials: 2 succeeded" in html[0], first.outputs
+    assert any("image/png" in o.get("data", {}) for o in first.outputs)
